@@ -1,0 +1,260 @@
+"""What a stored object is on a medium: the self-describing record.
+
+A record is valid on its own: any tier can be re-indexed from its records after a restart,
+and a torn or corrupted record is detected by its checksums and never served. Kinds and
+codecs are opaque integer codes here: tiers know neither the model nor the service.
+
+Layout (little-endian), HEADER_SIZE bytes of header then the stored payload::
+
+    offset  size  field
+    0       4     magic b"SSR\\x01"
+    4       2     format version
+    6       2     kind code            (engine_adapter.base.StateKind value, opaque here)
+    8       2     codec code           (engine_adapter.base.Codec value, opaque here)
+    10      2     flags                (bit 0: payload is zstd-compressed)
+    12      16    model fingerprint
+    28      16    tenant id
+    44      32    block key
+    76      32    parent key           (all zero for the first block / per-sequence records)
+    108     8     token start
+    116     8     token end            (exclusive)
+    124     4     entry count
+    128     8     stored payload length
+    136     8     raw payload length   (after decompression)
+    144     8     payload checksum     (xxh3-64 of the stored payload)
+    152     8     created at (ns since the epoch)
+    160     8     header checksum      (xxh3-64 of bytes 0..160)
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+import xxhash
+import zstandard
+
+MAGIC = b"SSR\x01"
+FORMAT_VERSION = 1
+FLAG_ZSTD = 0x1
+KNOWN_FLAGS = FLAG_ZSTD
+
+KEY_BYTES = 32
+FINGERPRINT_BYTES = 16
+TENANT_BYTES = 16
+ZERO_KEY = bytes(KEY_BYTES)
+
+_HEADER = struct.Struct("<4sHHHH16s16s32s32sQQIQQQQ")
+_HEADER_CHECKSUM = struct.Struct("<Q")
+HEADER_SIZE = _HEADER.size + _HEADER_CHECKSUM.size  # 168
+MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: anything claiming more is corrupt
+
+BlockKey = NewType("BlockKey", bytes)
+"""32 bytes: the hash chain over (parent, token ids, model fingerprint, tenant salt)."""
+
+RecordKey = NewType("RecordKey", bytes)
+"""34 bytes: 2-byte big-endian kind code, then the block key. What a tier indexes by."""
+
+RECORD_KEY_BYTES = 2 + KEY_BYTES
+
+
+class RecordError(ValueError):
+    """A buffer is not a valid record; the message says exactly what is wrong."""
+
+
+def make_record_key(kind_code: int, block_key: bytes) -> RecordKey:
+    if not 0 <= kind_code <= 0xFFFF:
+        raise ValueError(f"kind code {kind_code} outside 0..65535")
+    if len(block_key) != KEY_BYTES:
+        raise ValueError(f"block key must be {KEY_BYTES} bytes, got {len(block_key)}")
+    return RecordKey(kind_code.to_bytes(2, "big") + bytes(block_key))
+
+
+def split_record_key(key: bytes) -> tuple[int, BlockKey]:
+    if len(key) != RECORD_KEY_BYTES:
+        raise ValueError(f"record key must be {RECORD_KEY_BYTES} bytes, got {len(key)}")
+    return int.from_bytes(key[:2], "big"), BlockKey(bytes(key[2:]))
+
+
+def payload_checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """Everything about a record except its payload. Sizes describe the raw payload."""
+
+    kind: int
+    codec: int
+    model_fingerprint: bytes
+    tenant_id: bytes
+    block_key: bytes
+    parent_key: bytes = ZERO_KEY
+    token_start: int = 0
+    token_end: int = 0
+    entry_count: int = 0
+    raw_length: int = 0
+    created_at_ns: int = field(default_factory=time.time_ns)
+    # Set by decode: how the payload was stored (0 when the header was built in memory).
+    stored_length: int = 0
+    flags: int = 0
+
+    def __post_init__(self) -> None:
+        _check_len("model fingerprint", self.model_fingerprint, FINGERPRINT_BYTES)
+        _check_len("tenant id", self.tenant_id, TENANT_BYTES)
+        _check_len("block key", self.block_key, KEY_BYTES)
+        _check_len("parent key", self.parent_key, KEY_BYTES)
+        if not 0 <= self.kind <= 0xFFFF or not 0 <= self.codec <= 0xFFFF:
+            raise RecordError(f"kind {self.kind} / codec {self.codec} outside 0..65535")
+        if not 0 <= self.token_start <= self.token_end:
+            raise RecordError(f"token range [{self.token_start}, {self.token_end}) is not ordered")
+        if self.token_end >= 1 << 63 or not 0 <= self.entry_count < 1 << 32:
+            raise RecordError("token range or entry count out of bounds")
+        if not 0 <= self.raw_length <= MAX_PAYLOAD_BYTES:
+            raise RecordError(f"raw payload length {self.raw_length} out of bounds")
+
+    @property
+    def key(self) -> RecordKey:
+        return make_record_key(self.kind, self.block_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A header and its raw (uncompressed) payload."""
+
+    header: RecordHeader
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.payload) != self.header.raw_length:
+            raise RecordError(
+                f"payload is {len(self.payload)} bytes but the header says {self.header.raw_length}"
+            )
+
+    @property
+    def key(self) -> RecordKey:
+        return self.header.key
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this record encoded without compression."""
+        return HEADER_SIZE + len(self.payload)
+
+
+def _check_len(name: str, value: bytes, expected: int) -> None:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != expected:
+        got = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
+        raise RecordError(f"{name} must be {expected} bytes, got {got}")
+
+
+def make_record(
+    kind: int,
+    codec: int,
+    payload: bytes,
+    *,
+    model_fingerprint: bytes,
+    tenant_id: bytes,
+    block_key: bytes,
+    parent_key: bytes = ZERO_KEY,
+    token_start: int = 0,
+    token_end: int = 0,
+    entry_count: int = 0,
+) -> Record:
+    header = RecordHeader(
+        kind=kind,
+        codec=codec,
+        model_fingerprint=bytes(model_fingerprint),
+        tenant_id=bytes(tenant_id),
+        block_key=bytes(block_key),
+        parent_key=bytes(parent_key),
+        token_start=token_start,
+        token_end=token_end,
+        entry_count=entry_count,
+        raw_length=len(payload),
+    )
+    return Record(header, bytes(payload))
+
+
+def encode_record(record: Record, *, zstd_level: int | None = None) -> bytes:
+    """Serialise a record. With `zstd_level`, compress the payload, but only if that pays."""
+    payload, flags = record.payload, 0
+    if zstd_level is not None and payload:
+        packed = zstandard.ZstdCompressor(level=zstd_level).compress(payload)
+        if len(packed) < len(payload):
+            payload, flags = packed, FLAG_ZSTD
+    return encode_header(record.header, stored_length=len(payload), flags=flags,
+                         checksum=payload_checksum(payload)) + payload
+
+
+def encode_header(header: RecordHeader, *, stored_length: int, flags: int, checksum: int) -> bytes:
+    h = header
+    body = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, h.kind, h.codec, flags, h.model_fingerprint, h.tenant_id,
+        h.block_key, h.parent_key, h.token_start, h.token_end, h.entry_count,
+        stored_length, h.raw_length, checksum, h.created_at_ns,
+    )
+    return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
+    """Parse and verify a header. Returns it with the stored payload's checksum."""
+    if len(buf) < HEADER_SIZE:
+        raise RecordError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
+    body = bytes(buf[: _HEADER.size])
+    (stored_sum,) = _HEADER_CHECKSUM.unpack_from(buf, _HEADER.size)
+    if body[:4] != MAGIC:
+        raise RecordError(f"bad magic {body[:4]!r}: not a statestore record")
+    if xxhash.xxh3_64_intdigest(body) != stored_sum:
+        raise RecordError("header checksum mismatch: the header is corrupt")
+    (_, version, kind, codec, flags, fp, tenant, key, parent, t0, t1, entries,
+     stored_len, raw_len, checksum, created) = _HEADER.unpack(body)
+    if version != FORMAT_VERSION:
+        raise RecordError(f"record format version {version} is not supported (expected {FORMAT_VERSION})")
+    if flags & ~KNOWN_FLAGS:
+        raise RecordError(f"unknown flags 0x{flags:x}")
+    if stored_len > MAX_PAYLOAD_BYTES:
+        raise RecordError(f"stored payload length {stored_len} out of bounds")
+    if not flags & FLAG_ZSTD and stored_len != raw_len:
+        raise RecordError(f"uncompressed payload: stored length {stored_len} != raw length {raw_len}")
+    header = RecordHeader(
+        kind=kind, codec=codec, model_fingerprint=fp, tenant_id=tenant, block_key=key,
+        parent_key=parent, token_start=t0, token_end=t1, entry_count=entries,
+        raw_length=raw_len, created_at_ns=created, stored_length=stored_len, flags=flags,
+    )
+    return header, checksum
+
+
+def decode_record(
+    buf: bytes | memoryview,
+    *,
+    expect_fingerprint: bytes | None = None,
+    expect_tenant: bytes | None = None,
+    expect_key: bytes | None = None,
+) -> Record:
+    """Parse and verify a whole record; reject anything malformed or not the one expected."""
+    header, checksum = decode_header(buf)
+    end = HEADER_SIZE + header.stored_length
+    if len(buf) < end:
+        raise RecordError(f"truncated payload: {len(buf) - HEADER_SIZE} of {header.stored_length} bytes")
+    if len(buf) > end:
+        raise RecordError(f"{len(buf) - end} trailing bytes after the payload")
+    stored = memoryview(buf)[HEADER_SIZE:end]
+    if payload_checksum(stored) != checksum:
+        raise RecordError("payload checksum mismatch: the payload is corrupt")
+    if expect_fingerprint is not None and header.model_fingerprint != expect_fingerprint:
+        raise RecordError("record belongs to another model fingerprint")
+    if expect_tenant is not None and header.tenant_id != expect_tenant:
+        raise RecordError("record belongs to another tenant")
+    if expect_key is not None and header.key != expect_key:
+        raise RecordError("record key does not match the key it was stored under")
+    payload = bytes(stored)
+    if header.flags & FLAG_ZSTD:
+        try:
+            payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_length)
+        except zstandard.ZstdError as exc:
+            raise RecordError(f"zstd payload does not decompress: {exc}") from exc
+        if len(payload) != header.raw_length:
+            raise RecordError(f"decompressed {len(payload)} bytes, header says {header.raw_length}")
+    return Record(header, payload)
