@@ -1,0 +1,229 @@
+"""The record format: round trips, and every kind of damage is detected with a precise message."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import struct
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiers.record import (
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    Record,
+    RecordError,
+    RecordHeader,
+    decode_header,
+    decode_record,
+    encode_record,
+    make_record,
+    make_record_key,
+    split_record_key,
+)
+
+FINGERPRINT = bytes(range(16))
+TENANT = bytes(range(16, 32))
+BLOCK_KEY = bytes(range(32, 64))
+HEADER_BODY = HEADER_SIZE - 8  # bytes covered by the header checksum
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make(payload: bytes = b"kv" * 32, **overrides: object) -> Record:
+    fields: dict[str, object] = dict(model_fingerprint=FINGERPRINT, tenant_id=TENANT, block_key=BLOCK_KEY,
+                                     token_start=256, token_end=512, entry_count=64)
+    fields.update(overrides)
+    kind = int(fields.pop("kind", 1))  # type: ignore[call-overload]
+    codec = int(fields.pop("codec", 0))  # type: ignore[call-overload]
+    return make_record(kind, codec, payload, **fields)  # type: ignore[arg-type]
+
+
+def as_built(header: RecordHeader) -> RecordHeader:
+    """A decoded header without the decode-only fields (how the payload was stored)."""
+    return dataclasses.replace(header, stored_length=0, flags=0)
+
+
+def reseal_header(buf: bytearray) -> bytearray:
+    """Recompute the header checksum after an edit, to reach the checks behind it."""
+    struct.pack_into("<Q", buf, HEADER_BODY, xxhash.xxh3_64_intdigest(bytes(buf[:HEADER_BODY])))
+    return buf
+
+
+# A mix of incompressible and highly compressible payloads, so zstd is both used and skipped.
+payloads = st.one_of(
+    st.binary(max_size=2048),
+    st.builds(lambda b, n: b * n, st.binary(min_size=1, max_size=8), st.integers(0, 512)),
+)
+
+headers = st.fixed_dictionaries({
+    "kind": st.integers(0, 0xFFFF),
+    "codec": st.integers(0, 0xFFFF),
+    "model_fingerprint": st.binary(min_size=16, max_size=16),
+    "tenant_id": st.binary(min_size=16, max_size=16),
+    "block_key": st.binary(min_size=32, max_size=32),
+    "parent_key": st.binary(min_size=32, max_size=32),
+    "token_start": st.integers(0, 1 << 40),
+    "num_tokens": st.integers(0, 1 << 20),
+    "entry_count": st.integers(0, (1 << 32) - 1),
+})
+
+
+def build(fields: dict, payload: bytes) -> Record:
+    fields = dict(fields)
+    fields["token_end"] = fields["token_start"] + fields.pop("num_tokens")
+    return make(payload, **fields)
+
+
+@SETTINGS
+@given(fields=headers, payload=payloads, level=st.sampled_from([None, 1, 3]))
+def test_round_trip_is_exact(fields: dict, payload: bytes, level: int | None) -> None:
+    record = build(fields, payload)
+    encoded = encode_record(record, zstd_level=level)
+    decoded = decode_record(encoded, expect_fingerprint=record.header.model_fingerprint,
+                            expect_tenant=record.header.tenant_id, expect_key=record.key)
+    assert decoded.payload == payload
+    assert as_built(decoded.header) == record.header
+    assert len(encoded) == HEADER_SIZE + decoded.header.stored_length
+    if decoded.header.flags & FLAG_ZSTD:
+        assert level is not None and decoded.header.stored_length < len(payload)
+    else:
+        assert decoded.header.stored_length == len(payload)
+
+
+def test_zstd_is_used_only_when_it_pays() -> None:
+    compressible = encode_record(make(b"\0" * 4096), zstd_level=3)
+    incompressible = encode_record(make(random.Random(7).randbytes(512)), zstd_level=3)
+    assert decode_header(compressible)[0].flags == FLAG_ZSTD
+    assert len(compressible) < HEADER_SIZE + 100
+    assert decode_header(incompressible)[0].flags == 0  # zstd frame overhead: stored raw
+
+
+@SETTINGS
+@given(fields=headers, payload=payloads, level=st.sampled_from([None, 3]), data=st.data())
+def test_any_truncation_is_detected(fields: dict, payload: bytes, level: int | None, data: st.DataObject) -> None:
+    encoded = encode_record(build(fields, payload), zstd_level=level)
+    cut = data.draw(st.integers(0, len(encoded) - 1))
+    with pytest.raises(RecordError, match="truncated"):
+        decode_record(encoded[:cut])
+
+
+@SETTINGS
+@given(fields=headers, payload=payloads, level=st.sampled_from([None, 3]), data=st.data())
+def test_any_single_byte_corruption_is_detected(fields: dict, payload: bytes, level: int | None,
+                                                data: st.DataObject) -> None:
+    encoded = bytearray(encode_record(build(fields, payload), zstd_level=level))
+    position = data.draw(st.integers(0, len(encoded) - 1))
+    encoded[position] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(RecordError):
+        decode_record(bytes(encoded))
+
+
+@pytest.mark.parametrize("level", [None, 3], ids=["raw", "zstd"])
+def test_every_byte_position_of_a_small_record(level: int | None) -> None:
+    """Exhaustive: every truncation, and three different flips at every byte position."""
+    payload = b"abcd" * 16 if level is None else b"\0" * 200
+    encoded = encode_record(make(payload), zstd_level=level)
+    assert bool(decode_header(encoded)[0].flags & FLAG_ZSTD) == (level is not None)
+    for cut in range(len(encoded)):
+        with pytest.raises(RecordError):
+            decode_record(encoded[:cut])
+    for position in range(len(encoded)):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(encoded)
+            damaged[position] ^= flip
+            with pytest.raises(RecordError):
+                decode_record(bytes(damaged))
+
+
+def test_other_model_tenant_or_key_is_rejected() -> None:
+    encoded = encode_record(make())
+    with pytest.raises(RecordError, match="^record belongs to another model fingerprint$"):
+        decode_record(encoded, expect_fingerprint=bytes(16))
+    with pytest.raises(RecordError, match="^record belongs to another tenant$"):
+        decode_record(encoded, expect_tenant=bytes(16))
+    with pytest.raises(RecordError, match="^record key does not match the key it was stored under$"):
+        decode_record(encoded, expect_key=make_record_key(2, BLOCK_KEY))
+    assert decode_record(encoded, expect_fingerprint=FINGERPRINT, expect_tenant=TENANT,
+                         expect_key=make_record_key(1, BLOCK_KEY)).payload == b"kv" * 32
+
+
+def test_bad_magic_message() -> None:
+    encoded = bytearray(encode_record(make()))
+    encoded[:4] = b"GIF8"
+    with pytest.raises(RecordError, match=r"^bad magic b'GIF8': not a statestore record$"):
+        decode_record(bytes(encoded))
+
+
+def test_unsupported_version_message() -> None:
+    encoded = bytearray(encode_record(make()))
+    struct.pack_into("<H", encoded, 4, 2)
+    with pytest.raises(RecordError, match=r"^record format version 2 is not supported \(expected 1\)$"):
+        decode_record(bytes(reseal_header(encoded)))
+
+
+def test_header_checksum_message() -> None:
+    encoded = bytearray(encode_record(make()))
+    encoded[100] ^= 0x10  # inside the parent key
+    with pytest.raises(RecordError, match="^header checksum mismatch: the header is corrupt$"):
+        decode_record(bytes(encoded))
+
+
+def test_payload_checksum_message() -> None:
+    encoded = bytearray(encode_record(make()))
+    encoded[HEADER_SIZE + 5] ^= 0x01
+    with pytest.raises(RecordError, match="^payload checksum mismatch: the payload is corrupt$"):
+        decode_record(bytes(encoded))
+
+
+def test_trailing_bytes_message() -> None:
+    with pytest.raises(RecordError, match="^3 trailing bytes after the payload$"):
+        decode_record(encode_record(make()) + b"\0\0\0")
+
+
+def test_truncation_messages() -> None:
+    encoded = encode_record(make(b"x" * 100))
+    with pytest.raises(RecordError, match=f"^truncated header: 10 of {HEADER_SIZE} bytes$"):
+        decode_record(encoded[:10])
+    with pytest.raises(RecordError, match="^truncated payload: 40 of 100 bytes$"):
+        decode_record(encoded[: HEADER_SIZE + 40])
+
+
+def test_unknown_flags_and_length_mismatch_messages() -> None:
+    encoded = bytearray(encode_record(make()))
+    struct.pack_into("<H", encoded, 10, 0x2)
+    with pytest.raises(RecordError, match="^unknown flags 0x2$"):
+        decode_record(bytes(reseal_header(encoded)))
+    encoded = bytearray(encode_record(make()))
+    struct.pack_into("<Q", encoded, 136, 65)  # raw length 65 != stored 64, no zstd flag
+    with pytest.raises(RecordError, match="^uncompressed payload: stored length 64 != raw length 65$"):
+        decode_record(bytes(reseal_header(encoded)))
+
+
+def test_undecompressible_zstd_payload_message() -> None:
+    """Valid checksums over a payload flagged zstd that is not a zstd frame."""
+    garbage = b"not a zstd frame"
+    encoded = bytearray(encode_record(make(b"\0" * 64))[:HEADER_SIZE]) + garbage
+    struct.pack_into("<H", encoded, 10, FLAG_ZSTD)
+    struct.pack_into("<Q", encoded, 128, len(garbage))
+    struct.pack_into("<Q", encoded, 144, xxhash.xxh3_64_intdigest(garbage))
+    with pytest.raises(RecordError, match="^zstd payload does not decompress: "):
+        decode_record(bytes(reseal_header(encoded)))
+
+
+def test_record_keys_round_trip_and_check_sizes() -> None:
+    key = make_record_key(0x0102, BLOCK_KEY)
+    assert key[:2] == b"\x01\x02" and split_record_key(key) == (0x0102, BLOCK_KEY)
+    with pytest.raises(ValueError, match="block key must be 32 bytes, got 3"):
+        make_record_key(1, b"abc")
+    with pytest.raises(ValueError, match="kind code 65536 outside 0..65535"):
+        make_record_key(1 << 16, BLOCK_KEY)
+
+
+def test_payload_length_must_match_header() -> None:
+    record = make(b"abc")
+    with pytest.raises(RecordError, match="^payload is 2 bytes but the header says 3$"):
+        Record(record.header, b"ab")
