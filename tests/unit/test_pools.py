@@ -1,0 +1,214 @@
+"""Per-kind page pools and the host tier: allocation, exact residency, budget, slab reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiers.host import HostTier
+from tiers.pools import (
+    INDEX_BYTES_PER_PAGE,
+    INDEX_ENTRY_BASE_BYTES,
+    ByteBudget,
+    PagePool,
+    PerKindPools,
+    SinglePagePool,
+    page_bytes_for,
+    record_overhead_bytes,
+    uniform_page_layout,
+)
+from tiers.record import HEADER_SIZE, Record, make_record
+
+KV, IDX, RING = 1, 2, 3
+PAGES = {KV: 1024, IDX: 256, RING: 4096}
+
+
+def make_rec(kind: int, n: int, tag: int = 0) -> Record:
+    key = bytes([kind, tag]) + bytes(30)
+    return make_record(kind, 0, bytes([tag % 256]) * n, model_fingerprint=b"f" * 16, tenant_id=b"t" * 16,
+                       block_key=key)
+
+
+def held_by_hand(pools: PerKindPools) -> int:
+    """What the allocator really holds: every slab's bytes plus each live record's overhead."""
+    slabs = sum(len(s.buf) if s.buf is not None else s.num_pages * p.page_bytes
+                for p in pools._pools.values() for s in p._slabs if s is not None)
+    overhead = sum(t.footprint_bytes for t in pools._tally.values()) - sum(
+        (p.num_used_pages * p.page_bytes) for p in pools._pools.values())
+    return slabs + overhead
+
+
+# ----- PagePool ------------------------------------------------------------------------------
+
+def test_page_pool_allocates_fresh_pages_in_order_and_grows_slabs_lazily() -> None:
+    budget = ByteBudget(64 * 100)
+    pool = PagePool(100, budget, slab_bytes=400)  # 4 pages per slab
+    assert pool.num_slabs == 0 and budget.held_bytes == 0
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.num_slabs == 1 and budget.held_bytes == 400
+    assert pool.allocate(3) == [3, 4, 5]  # fills slab 0, opens slab 1
+    assert pool.num_slabs == 2 and pool.num_free_pages == 2 and budget.held_bytes == 800
+
+
+def test_page_pool_reuses_freed_pages_before_growing() -> None:
+    budget = ByteBudget(10_000)
+    pool = PagePool(100, budget, slab_bytes=400)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    pool.free(a)
+    assert pool.allocate(2) == sorted(a, reverse=True)  # LIFO free list, same slab
+    assert pool.num_slabs == 1 and budget.held_bytes == 400
+    del b
+
+
+def test_page_pool_returns_an_empty_slab_to_the_budget() -> None:
+    budget = ByteBudget(10_000)
+    pool = PagePool(100, budget, slab_bytes=400)
+    first = pool.allocate(4)
+    second = pool.allocate(1)  # slab 1
+    assert budget.held_bytes == 800
+    pool.free(second)
+    assert pool.num_slabs == 1 and budget.held_bytes == 400
+    pool.free(first)
+    assert pool.num_slabs == 0 and budget.held_bytes == 0
+    assert pool.allocate(1) == [0]  # slot 0 reused
+
+
+def test_page_pool_last_slab_is_cut_to_the_budget() -> None:
+    budget = ByteBudget(650)
+    pool = PagePool(100, budget, slab_bytes=400)
+    pool.allocate(4)
+    assert pool.allocate(2) == [4, 5]  # slab 1 gets the 2 pages the budget still allows
+    assert budget.held_bytes == 600 and pool.num_free_pages == 0
+
+
+def test_page_pool_double_free_is_caught() -> None:
+    pool = PagePool(100, ByteBudget(1000), slab_bytes=400)
+    ids = pool.allocate(2)
+    pool.free(ids[:1])
+    pool.free(ids[1:])  # slab released
+    with pytest.raises(AssertionError, match="is not allocated"):
+        pool.free(ids[:1])
+
+
+# ----- PoolSet ------------------------------------------------------------------------------
+
+def test_record_pages_and_overheads_are_exact() -> None:
+    pools = PerKindPools(1 << 20, PAGES, default_page_bytes=512, slab_bytes=8192)
+    a = pools.reserve(KV, 2500)  # ceil(2500 / 1024) = 3 pages
+    assert a is not None and len(a.page_ids) == 3
+    assert a.footprint_bytes == 3 * 1024 + HEADER_SIZE + INDEX_ENTRY_BASE_BYTES + 3 * INDEX_BYTES_PER_PAGE
+    b = pools.reserve(IDX, 256)  # exactly one page: no padding
+    c = pools.reserve(99, 1)  # unknown kind: default page
+    assert b is not None and c is not None and len(b.page_ids) == 1 and c.page_bytes == 512
+    usage = pools.usage_by_kind()
+    assert usage[KV].payload_bytes == 2500
+    assert usage[KV].overhead_bytes == 3 * 1024 - 2500 + record_overhead_bytes(3)
+    assert usage[IDX].overhead_bytes == record_overhead_bytes(1)
+    assert pools.resident_bytes == sum(u.resident_bytes for u in usage.values())
+    assert pools.resident_bytes + pools.free_page_bytes == pools.held_bytes == held_by_hand(pools)
+
+
+def test_budget_refusal_leaves_nothing_behind() -> None:
+    page = 1000
+    overhead = record_overhead_bytes(1)
+    pools = PerKindPools(3 * (page + overhead), {KV: page}, slab_bytes=page)  # one page per slab
+    got = [pools.reserve(KV, page) for _ in range(3)]
+    assert all(got)
+    before = (pools.held_bytes, pools.resident_bytes, dict(pools.usage_by_kind()))
+    assert not pools.can_reserve(KV, 1)
+    assert pools.reserve(KV, 1) is None
+    assert (pools.held_bytes, pools.resident_bytes, dict(pools.usage_by_kind())) == before
+    pools.release(got[0])
+    assert pools.reserve(KV, page) is not None
+
+
+def test_reserve_many_is_all_or_nothing() -> None:
+    pools = PerKindPools(10_000, {KV: 1000}, slab_bytes=1000)
+    assert pools.reserve_many(KV, 1000, 20) is None
+    assert pools.held_bytes == 0
+    allocs = pools.reserve_many(KV, 1000, 5)
+    assert allocs is not None and len({p for a in allocs for p in a.page_ids}) == 5
+
+
+def test_release_restores_exact_accounting() -> None:
+    pools = PerKindPools(1 << 20, PAGES, slab_bytes=8192)
+    allocs = [pools.reserve(k, n) for k, n in [(KV, 100), (KV, 3000), (IDX, 10), (RING, 4096)]]
+    for a in allocs:
+        assert a is not None
+        pools.release(a)
+    assert pools.usage_by_kind() == {} and pools.resident_bytes == 0
+    assert pools.held_bytes == 0 and pools.arena_bytes == 0  # every slab went back
+
+
+def test_single_page_pool_pads_every_kind_to_the_largest_page() -> None:
+    pools = SinglePagePool(1 << 20, 4096, slab_bytes=8192)
+    a = pools.reserve(IDX, 256)
+    assert a is not None and a.page_bytes == 4096
+    assert pools.usage_by_kind()[IDX].overhead_bytes == 4096 - 256 + record_overhead_bytes(1)
+
+
+def test_page_sizes_from_specs_and_vllm_uniform_layout() -> None:
+    assert page_bytes_for(block_size=256, bytes_per_token=720) == 184_320
+    assert page_bytes_for(block_size=256, bytes_per_sequence=2_703_360) == 2_703_360
+    with pytest.raises(ValueError, match="not whole bytes"):
+        page_bytes_for(block_size=3, bytes_per_token=0.5)
+    # Qwen3-Next-like: 36 GDN layers of bf16 state, 12 attention layers of bf16 KV.
+    layout = uniform_page_layout({KV: 24_576}, {RING: 39_518_208})
+    assert layout.tokens_per_page == {KV: 1616}  # vLLM logs "Setting attention block size to 1616"
+    assert layout.page_bytes == 1616 * 24_576
+
+
+# ----- HostTier -----------------------------------------------------------------------------
+
+async def test_host_tier_round_trip_and_exact_usage() -> None:
+    tier = HostTier(1 << 20, PAGES, default_page_bytes=512, slab_bytes=8192)
+    recs = [make_rec(KV, 2500, 1), make_rec(IDX, 256, 2), make_rec(RING, 4000, 3), make_rec(7, 0, 4)]
+    for r in recs:
+        before = tier.usage().resident_bytes
+        assert await tier.put(r)
+        assert tier.usage().resident_bytes - before == tier.footprint(r)  # the Tier invariant
+    for r in recs:
+        got = await tier.get(r.key)
+        assert got is not None and got.payload == r.payload and got.key == r.key
+    assert await tier.contains([recs[0].key, b"\x00" * 34]) == [True, False]
+    usage = tier.usage()
+    assert usage.num_records == 4
+    assert usage.resident_bytes + tier.pools.free_page_bytes == tier.pools.held_bytes
+    assert tier.pools.held_bytes == held_by_hand(tier.pools)
+    assert len((await tier.scan()).headers) == 4
+    assert await tier.delete(recs[0].key) and not await tier.delete(recs[0].key)
+    assert await tier.get(recs[0].key) is None
+
+
+async def test_host_tier_refuses_what_the_budget_cannot_fit_and_keeps_the_old_copy() -> None:
+    page = 1024
+    tier = HostTier(2 * (page + record_overhead_bytes(1)), {KV: page}, slab_bytes=page)
+    a, b, c = make_rec(KV, page, 1), make_rec(KV, page, 2), make_rec(KV, page, 3)
+    assert await tier.put(a) and await tier.put(b)
+    assert not await tier.put(c)
+    assert await tier.get(c.key) is None
+    assert (await tier.get(a.key)).payload == a.payload  # type: ignore[union-attr]
+    assert tier.usage().resident_bytes == tier.pools.held_bytes == tier.usage().budget_bytes
+
+
+async def test_host_tier_reuses_freed_pages() -> None:
+    tier = HostTier(1 << 20, {KV: 1024}, slab_bytes=4096)
+    a, b, c = make_rec(KV, 2048, 1), make_rec(KV, 1024, 2), make_rec(KV, 2048, 3)
+    await tier.put(a)
+    await tier.put(b)
+    pages_a = tier._index[a.key].alloc.page_ids
+    await tier.delete(a.key)
+    await tier.put(c)
+    assert sorted(tier._index[c.key].alloc.page_ids) == sorted(pages_a)
+    assert tier.pools.arena_bytes == 4096  # still the one slab
+    assert (await tier.get(c.key)).payload == c.payload  # type: ignore[union-attr]
+
+
+async def test_host_tier_corrupted_page_is_a_miss() -> None:
+    tier = HostTier(1 << 20, {KV: 1024}, slab_bytes=4096)
+    r = make_rec(KV, 1000, 1)
+    await tier.put(r)
+    alloc = tier._index[r.key].alloc
+    tier.pools.pool_for(KV).write(alloc.page_ids, b"\xff" * 1000)  # flip the bytes under it
+    assert await tier.get(r.key) is None
+    assert tier.usage().num_records == 0 and tier.pools.held_bytes == 0

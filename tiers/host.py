@@ -1,0 +1,108 @@
+"""The host tier: records in RAM, in per-kind page pools (see `tiers.pools`).
+
+A thin byte store: it refuses (False) what its budget cannot fit and never chooses what to
+evict; the store's policy does. Every record keeps its encoded header (with the payload
+checksum), which `get` verifies, so a bit flip in RAM is a miss, never served.
+
+Everything here is in-memory bookkeeping plus memcpy: no call awaits, so each operation is
+atomic on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tiers.base import ScanResult, Tier, TierUsage
+from tiers.pools import DEFAULT_PAGE_BYTES, Allocation, PerKindPools, PoolSet, SinglePagePool
+from tiers.record import Record, RecordKey, decode_header, encode_header, payload_checksum
+
+
+@dataclass(frozen=True, slots=True)
+class _Resident:
+    header: bytes  # the encoded header: HEADER_SIZE bytes, counted in the footprint
+    alloc: Allocation
+
+
+class HostTier(Tier):
+    """Records in host RAM.
+
+    Args:
+        budget_bytes: bytes the tier may hold: slabs, headers and index entries (> 0).
+        page_sizes: kind code -> page size; kinds not listed get `default_page_bytes`.
+            `statestore.store.make_page_sizes` derives them from the engine's specs.
+        slab_bytes: slab growth unit (default: min(64 MiB, budget / 16)).
+        single_page: use one page size for every kind (the largest): the vLLM-style
+            allocator, for comparisons only.
+        materialize: False = accounting only (no memory; put/get refuse): capacity planning.
+    """
+
+    name = "host"
+
+    def __init__(self, budget_bytes: int, page_sizes: Mapping[int, int] | None = None,
+                 default_page_bytes: int = DEFAULT_PAGE_BYTES, *, slab_bytes: int | None = None,
+                 single_page: bool = False, materialize: bool = True) -> None:
+        self._pools: PoolSet
+        if single_page:
+            largest = max([default_page_bytes, *(page_sizes or {}).values()])
+            self._pools = SinglePagePool(budget_bytes, largest, slab_bytes=slab_bytes, materialize=materialize)
+        else:
+            self._pools = PerKindPools(budget_bytes, page_sizes, default_page_bytes,
+                                       slab_bytes=slab_bytes, materialize=materialize)
+        self._index: dict[RecordKey, _Resident] = {}
+
+    @property
+    def pools(self) -> PoolSet:
+        """The allocator (read-only use: `held_bytes`, `arena_bytes`, `free_page_bytes`)."""
+        return self._pools
+
+    async def put(self, record: Record) -> bool:
+        """Store the record; False (and the previous copy kept) if the budget cannot fit it."""
+        alloc = self._pools.reserve(record.header.kind, len(record.payload))
+        if alloc is None:
+            return False
+        self._pools.write(alloc, record.payload)
+        header = encode_header(record.header, stored_length=len(record.payload), flags=0,
+                               checksum=payload_checksum(record.payload))
+        self._drop(record.key)
+        self._index[record.key] = _Resident(header, alloc)
+        return True
+
+    async def get(self, key: RecordKey) -> Record | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        header, checksum = decode_header(entry.header)
+        payload = self._pools.read(entry.alloc)
+        if payload_checksum(payload) != checksum:
+            self._drop(key)  # RAM corruption: never served, reported as a miss
+            return None
+        return Record(header, payload)
+
+    async def delete(self, key: RecordKey) -> bool:
+        return self._drop(key)
+
+    def _drop(self, key: RecordKey) -> bool:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._pools.release(entry.alloc)
+        return True
+
+    async def contains(self, keys: Sequence[RecordKey]) -> list[bool]:
+        return [k in self._index for k in keys]
+
+    def usage(self) -> TierUsage:
+        """Footprints of the records held: pages (payload + padding), headers, index entries.
+
+        Free pages cached in partly used slabs are not residency (see `pools.free_page_bytes`);
+        `usage().resident_bytes + pools.free_page_bytes == pools.held_bytes` <= budget.
+        """
+        return TierUsage(self.name, self._pools.budget.capacity_bytes, self._pools.usage_by_kind())
+
+    def footprint(self, record: Record) -> int:
+        return self._pools.footprint(record.header.kind, len(record.payload))
+
+    async def scan(self) -> ScanResult:
+        """RAM does not survive a restart: the scan reports what this process holds."""
+        return ScanResult([decode_header(e.header)[0] for e in self._index.values()], [])

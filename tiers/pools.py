@@ -1,0 +1,437 @@
+"""Per-kind page pools: the allocator of the host tier (and later of the GPU tier).
+
+Each kind of state gets pages sized for it, so that a record of that kind fills its pages
+exactly: one block of B tokens of a per-token kind, or one sequence of a per-sequence kind.
+A store with one page size for every kind (`SinglePagePool`, the design vLLM uses for hybrid
+models) pads small states up to the largest page and loses the capacity quantization was
+meant to win; `bench/capacity.py` measures both.
+
+Memory layout of one `PagePool`::
+
+    slab 0: [page 0][page 1]...[page P-1]     page id = slab index * P + offset
+    slab 1: [page P]...                        (P = pages_per_slab; a budget-limited slab may be shorter)
+    ...
+
+Slabs are grown lazily, one at a time, while the shared `ByteBudget` allows; a freed page
+goes back to its slab's free list and is reused first (lowest slab first, so high slabs
+drain); a slab whose pages are all free is returned to the budget at once, so one kind's
+churn never strands memory another kind needs for long.
+
+Accounting invariants (what the tests check):
+- `ByteBudget.held_bytes` = slab bytes + record overheads (headers and index entries) of
+  live records = the bytes this allocator holds; it never exceeds the budget.
+- A record's footprint = pages x page size (payload + padding) + `HEADER_SIZE` (its
+  encoded header is kept) + an index entry (`INDEX_ENTRY_BASE_BYTES` + 4 bytes per page id).
+- `resident_bytes` (sum of live footprints) + `free_page_bytes` (free pages inside held
+  slabs) = `held_bytes`.
+
+Nothing here knows the model: kinds are opaque integer codes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import mmap
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from tiers.base import KindUsage
+from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES
+
+DEFAULT_PAGE_BYTES = 64 << 10
+DEFAULT_SLAB_BYTES = 64 << 20
+MIN_SLABS_PER_BUDGET = 16  # a slab is at most budget / 16, so every kind can get memory
+INDEX_ENTRY_BASE_BYTES = RECORD_KEY_BYTES + 16  # key, payload length, checksum slot
+INDEX_BYTES_PER_PAGE = 4  # page ids as u32
+
+
+def record_overhead_bytes(num_pages: int) -> int:
+    """Bytes a record costs besides its pages: its header and its index entry."""
+    return HEADER_SIZE + INDEX_ENTRY_BASE_BYTES + INDEX_BYTES_PER_PAGE * num_pages
+
+
+def page_bytes_for(*, block_size: int, bytes_per_token: float = 0.0, bytes_per_sequence: int = 0) -> int:
+    """The page a kind should get: one block's payload (per-token) or one sequence's (per-sequence)."""
+    if (bytes_per_token > 0) == (bytes_per_sequence > 0):
+        raise ValueError("give exactly one of bytes_per_token and bytes_per_sequence")
+    if bytes_per_sequence:
+        return int(bytes_per_sequence)
+    exact = bytes_per_token * block_size
+    if exact != int(exact):
+        raise ValueError(f"{bytes_per_token} B/token x block {block_size} is not whole bytes")
+    return int(exact)
+
+
+def default_slab_bytes(budget_bytes: int) -> int:
+    return max(1, min(DEFAULT_SLAB_BYTES, budget_bytes // MIN_SLABS_PER_BUDGET))
+
+
+class ByteBudget:
+    """Bytes held against a capacity, shared by every pool of one tier (check/act pairs)."""
+
+    __slots__ = ("capacity_bytes", "held_bytes")
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"budget must be > 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.held_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.held_bytes
+
+    def can_hold(self, nbytes: int) -> bool:
+        return nbytes <= self.free_bytes
+
+    def hold(self, nbytes: int) -> None:
+        if not self.can_hold(nbytes):
+            raise MemoryError(f"holding {nbytes} B would exceed the budget of {self.capacity_bytes} B "
+                              f"({self.held_bytes} B held)")
+        self.held_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        if nbytes > self.held_bytes:
+            raise AssertionError(f"releasing {nbytes} B but only {self.held_bytes} B are held")
+        self.held_bytes -= nbytes
+
+
+@dataclass(slots=True)
+class _Slab:
+    buf: mmap.mmap | None  # None in accounting-only mode
+    num_pages: int
+    next_fresh: int = 0  # pages [next_fresh, num_pages) were never handed out
+    freed: list[int] = field(default_factory=list)  # offsets handed back
+    num_used: int = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - self.num_used
+
+
+class PagePool:
+    """Pages of one size in lazily grown slabs, with a free list per slab.
+
+    Args:
+        page_bytes: the page size.
+        budget: the byte budget shared with the tier's other pools.
+        slab_bytes: target slab size; a slab holds max(1, slab_bytes // page_bytes) pages.
+        materialize: False = accounting only (capacity planning): no memory is allocated
+            and pages cannot be read or written.
+    """
+
+    def __init__(self, page_bytes: int, budget: ByteBudget, *, slab_bytes: int = DEFAULT_SLAB_BYTES,
+                 materialize: bool = True) -> None:
+        if page_bytes <= 0:
+            raise ValueError(f"page size must be > 0, got {page_bytes}")
+        self.page_bytes = page_bytes
+        self.pages_per_slab = max(1, slab_bytes // page_bytes)
+        self.materialize = materialize
+        self._budget = budget
+        self._slabs: list[_Slab | None] = []
+        self._open: list[int] = []  # heap of slab ids that may have free pages (lazy)
+        self._empty_slots: list[int] = []  # heap of released slab ids, reused first
+        self.num_held_pages = 0
+        self.num_used_pages = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.num_held_pages - self.num_used_pages
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.num_held_pages * self.page_bytes
+
+    @property
+    def num_slabs(self) -> int:
+        return sum(s is not None for s in self._slabs)
+
+    def num_pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def growth_bytes(self, num_pages: int) -> int:
+        """Slab bytes that allocating `num_pages` would have to add (at least)."""
+        return max(0, num_pages - self.num_free_pages) * self.page_bytes
+
+    # ----- allocate / free ----------------------------------------------------------------
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Page ids for `num_pages` pages. The caller has checked `growth_bytes` against the budget."""
+        ids: list[int] = []
+        while len(ids) < num_pages:
+            sid = self._first_open_slab()
+            if sid is None:
+                sid = self._grow(num_pages - len(ids))
+            ids.extend(self._take(sid, num_pages - len(ids)))
+        self.num_used_pages += num_pages
+        return ids
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        for pid in page_ids:
+            sid, off = divmod(pid, self.pages_per_slab)
+            slab = self._slabs[sid]
+            if slab is None or not 0 <= off < slab.next_fresh or not slab.num_used:
+                raise AssertionError(f"page {pid} is not allocated")
+            slab.freed.append(off)
+            slab.num_used -= 1
+            self.num_used_pages -= 1
+            if slab.num_used == 0:
+                self._release(sid, slab)
+            elif slab.num_free == 1:
+                heapq.heappush(self._open, sid)
+
+    def _first_open_slab(self) -> int | None:
+        while self._open:
+            sid = self._open[0]
+            slab = self._slabs[sid] if sid < len(self._slabs) else None
+            if slab is not None and slab.num_free:
+                return sid
+            heapq.heappop(self._open)
+        return None
+
+    def _take(self, sid: int, want: int) -> list[int]:
+        slab = self._slabs[sid]
+        assert slab is not None
+        base = sid * self.pages_per_slab
+        take = min(want, slab.num_free)
+        from_freed = min(take, len(slab.freed))
+        offs = [slab.freed.pop() for _ in range(from_freed)]
+        fresh = take - from_freed
+        offs.extend(range(slab.next_fresh, slab.next_fresh + fresh))
+        slab.next_fresh += fresh
+        slab.num_used += take
+        if not slab.num_free and self._open and self._open[0] == sid:
+            heapq.heappop(self._open)
+        return [base + o for o in offs]
+
+    def _grow(self, want_pages: int) -> int:
+        affordable = self._budget.free_bytes // self.page_bytes
+        num_pages = min(self.pages_per_slab, max(affordable, 0))
+        if num_pages < min(want_pages, self.pages_per_slab):
+            raise MemoryError(f"pool of {self.page_bytes} B pages cannot grow: budget has "
+                              f"{self._budget.free_bytes} B free")
+        self._budget.hold(num_pages * self.page_bytes)
+        buf = mmap.mmap(-1, num_pages * self.page_bytes) if self.materialize else None
+        slab = _Slab(buf, num_pages)
+        if self._empty_slots:
+            sid = heapq.heappop(self._empty_slots)
+            self._slabs[sid] = slab
+        else:
+            sid = len(self._slabs)
+            self._slabs.append(slab)
+        self.num_held_pages += num_pages
+        heapq.heappush(self._open, sid)
+        return sid
+
+    def _release(self, sid: int, slab: _Slab) -> None:
+        """An empty slab goes back to the budget (and its memory to the OS)."""
+        if slab.buf is not None:
+            slab.buf.close()
+        self._slabs[sid] = None
+        heapq.heappush(self._empty_slots, sid)
+        self.num_held_pages -= slab.num_pages
+        self._budget.release(slab.num_pages * self.page_bytes)
+
+    # ----- bytes ----------------------------------------------------------------------------
+
+    def _locate(self, pid: int) -> tuple[mmap.mmap, int]:
+        if not self.materialize:
+            raise RuntimeError("accounting-only pool: pages hold no memory")
+        sid, off = divmod(pid, self.pages_per_slab)
+        slab = self._slabs[sid]
+        assert slab is not None and slab.buf is not None
+        return slab.buf, off * self.page_bytes
+
+    def write(self, page_ids: Iterable[int], data: bytes | memoryview) -> None:
+        src = memoryview(data)
+        for i, pid in enumerate(page_ids):
+            chunk = src[i * self.page_bytes:(i + 1) * self.page_bytes]
+            buf, at = self._locate(pid)
+            buf[at:at + len(chunk)] = chunk
+
+    def read(self, page_ids: Iterable[int], length: int) -> bytes:
+        parts = []
+        for i, pid in enumerate(page_ids):
+            n = min(self.page_bytes, length - i * self.page_bytes)
+            buf, at = self._locate(pid)
+            parts.append(buf[at:at + n])
+        return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """The pages one record holds."""
+
+    kind: int
+    page_ids: tuple[int, ...]
+    payload_len: int
+    page_bytes: int
+
+    @property
+    def footprint_bytes(self) -> int:
+        return len(self.page_ids) * self.page_bytes + record_overhead_bytes(len(self.page_ids))
+
+
+@dataclass(slots=True)
+class _KindTally:
+    num_records: int = 0
+    payload_bytes: int = 0
+    footprint_bytes: int = 0
+
+
+class PoolSet:
+    """Pools of one tier sharing one byte budget; records are placed by kind.
+
+    Subclasses decide which pool (page size) serves a kind. Check/act pairs:
+    `can_reserve`/`reserve` (and `reserve_many` for bulk capacity planning), `release`.
+    """
+
+    def __init__(self, budget_bytes: int, *, slab_bytes: int | None = None, materialize: bool = True) -> None:
+        self.budget = ByteBudget(budget_bytes)
+        self.slab_bytes = slab_bytes if slab_bytes is not None else default_slab_bytes(budget_bytes)
+        self.materialize = materialize
+        self._pools: dict[int, PagePool] = {}  # page size -> pool
+        self._tally: dict[int, _KindTally] = {}
+
+    def page_bytes(self, kind: int) -> int:
+        raise NotImplementedError
+
+    def pool_for(self, kind: int) -> PagePool:
+        size = self.page_bytes(kind)
+        pool = self._pools.get(size)
+        if pool is None:
+            pool = self._pools[size] = PagePool(size, self.budget, slab_bytes=max(self.slab_bytes, size),
+                                                materialize=self.materialize)
+        return pool
+
+    def footprint(self, kind: int, payload_len: int) -> int:
+        n = -(-payload_len // self.page_bytes(kind))
+        return n * self.page_bytes(kind) + record_overhead_bytes(n)
+
+    def can_reserve(self, kind: int, payload_len: int, count: int = 1) -> bool:
+        pool = self.pool_for(kind)
+        n = pool.num_pages_for(payload_len)
+        return self.budget.can_hold(pool.growth_bytes(n * count) + count * record_overhead_bytes(n))
+
+    def reserve_many(self, kind: int, payload_len: int, count: int) -> list[Allocation] | None:
+        """`count` records of `payload_len` bytes, all or none (None: the budget cannot fit them)."""
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not self.can_reserve(kind, payload_len, count):
+            return None
+        pool = self.pool_for(kind)
+        n = pool.num_pages_for(payload_len)
+        self.budget.hold(count * record_overhead_bytes(n))
+        ids = pool.allocate(n * count)
+        allocs = [Allocation(kind, tuple(ids[i * n:(i + 1) * n]), payload_len, pool.page_bytes)
+                  for i in range(count)]
+        tally = self._tally.setdefault(kind, _KindTally())
+        tally.num_records += count
+        tally.payload_bytes += count * payload_len
+        tally.footprint_bytes += count * allocs[0].footprint_bytes
+        return allocs
+
+    def reserve(self, kind: int, payload_len: int) -> Allocation | None:
+        allocs = self.reserve_many(kind, payload_len, 1)
+        return allocs[0] if allocs else None
+
+    def release(self, alloc: Allocation) -> None:
+        self.pool_for(alloc.kind).free(alloc.page_ids)
+        self.budget.release(record_overhead_bytes(len(alloc.page_ids)))
+        tally = self._tally[alloc.kind]
+        tally.num_records -= 1
+        tally.payload_bytes -= alloc.payload_len
+        tally.footprint_bytes -= alloc.footprint_bytes
+        if not tally.num_records:
+            del self._tally[alloc.kind]
+
+    def write(self, alloc: Allocation, data: bytes | memoryview) -> None:
+        if len(data) != alloc.payload_len:
+            raise ValueError(f"writing {len(data)} B into an allocation of {alloc.payload_len} B")
+        self.pool_for(alloc.kind).write(alloc.page_ids, data)
+
+    def read(self, alloc: Allocation) -> bytes:
+        return self.pool_for(alloc.kind).read(alloc.page_ids, alloc.payload_len)
+
+    # ----- accounting -----------------------------------------------------------------------
+
+    def usage_by_kind(self) -> dict[int, KindUsage]:
+        return {k: KindUsage(t.num_records, t.payload_bytes, t.footprint_bytes - t.payload_bytes)
+                for k, t in self._tally.items()}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.footprint_bytes for t in self._tally.values())
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(p.arena_bytes for p in self._pools.values())
+
+    @property
+    def free_page_bytes(self) -> int:
+        return sum(p.num_free_pages * p.page_bytes for p in self._pools.values())
+
+    @property
+    def held_bytes(self) -> int:
+        return self.budget.held_bytes
+
+
+class PerKindPools(PoolSet):
+    """Each kind gets its own page size (kinds of equal page size share a pool)."""
+
+    def __init__(self, budget_bytes: int, page_sizes: Mapping[int, int] | None = None,
+                 default_page_bytes: int = DEFAULT_PAGE_BYTES, **kwargs: object) -> None:
+        super().__init__(budget_bytes, **kwargs)  # type: ignore[arg-type]
+        self.page_sizes = dict(page_sizes or {})
+        for kind, size in self.page_sizes.items():
+            if size <= 0:
+                raise ValueError(f"page size of kind {kind} must be > 0, got {size}")
+        self.default_page_bytes = default_page_bytes
+
+    def page_bytes(self, kind: int) -> int:
+        return self.page_sizes.get(kind, self.default_page_bytes)
+
+
+class SinglePagePool(PoolSet):
+    """One page size for every kind (the largest): vLLM's uniform-page hybrid allocator.
+
+    Kept for the capacity comparison: it pads every record up to whole pages of the largest
+    size. See `uniform_page_layout` for how vLLM sizes the page and the blocks of per-token
+    kinds.
+    """
+
+    def __init__(self, budget_bytes: int, page_bytes: int, **kwargs: object) -> None:
+        super().__init__(budget_bytes, **kwargs)  # type: ignore[arg-type]
+        if page_bytes <= 0:
+            raise ValueError(f"page size must be > 0, got {page_bytes}")
+        self._page_bytes = page_bytes
+
+    def page_bytes(self, kind: int) -> int:
+        return self._page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class UniformPageLayout:
+    """vLLM's hybrid layout: one page size, and how many tokens a per-token kind's page holds."""
+
+    page_bytes: int
+    tokens_per_page: dict[int, int]  # per-token kind -> block size inflated to fill a page
+
+
+def uniform_page_layout(per_token_bytes: Mapping[int, float], per_sequence_bytes: Mapping[int, int],
+                        *, align_tokens: int = 16) -> UniformPageLayout:
+    """Size one page for every kind the way vLLM's hybrid allocator does.
+
+    The page must hold the largest per-sequence state; each per-token kind's block size is
+    raised to the smallest multiple of `align_tokens` whose page is at least that large
+    (`unify_kv_cache_spec_page_size`); the page is the largest of those, and every smaller
+    state is padded up to it. Without per-sequence kinds, the page is the largest per-token
+    kind's page at `align_tokens` tokens.
+    """
+    floor = max(per_sequence_bytes.values(), default=0)
+    if not floor:
+        floor = int(math.ceil(max(per_token_bytes.values()) * align_tokens))
+    tokens = {k: int(math.ceil(floor / (b * align_tokens))) * align_tokens for k, b in per_token_bytes.items()}
+    page = max([floor, *(int(math.ceil(tokens[k] * b)) for k, b in per_token_bytes.items())])
+    return UniformPageLayout(page, tokens)
