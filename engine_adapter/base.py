@@ -9,7 +9,9 @@ describe their state with `StateKind.OPAQUE`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 class StateKind(enum.IntEnum):
@@ -90,3 +92,123 @@ class StateSpec:
                 f"{self.kind.name}: {self.bytes_per_token} B/token x block {block_size} is not whole bytes"
             )
         return int(exact)
+
+
+# ---------------------------------------------------------------------- the adapter protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StatePayload:
+    """One piece of exported state: what becomes one record's payload.
+
+    Per-token kinds cover tokens [token_start, token_end); per-sequence kinds (SWA rings,
+    compressor tails) describe the sequence as of `token_end`.
+    """
+
+    kind: StateKind
+    codec: Codec
+    token_start: int
+    token_end: int
+    payload: bytes
+    entry_count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.token_start <= self.token_end:
+            raise ValueError(f"StatePayload {self.kind.name}: token range [{self.token_start}, "
+                             f"{self.token_end}) is not ordered")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayGeometry:
+    """What replay planning needs to know of a layer stack, and nothing model-specific.
+
+    A layer's only cross-token reads are its own sliding window (`windows[l]` keys, counting
+    the key itself) and persisted global state. Layers up to `last_publisher` publish global
+    entries in groups of `group_tokens[l]` tokens (a compression ratio; 0 = none), so a replay
+    edge at or below it must start on a group boundary. `first_decoder_layer` is where prefill
+    may stop running every row (None: the whole stack runs on every row).
+    """
+
+    windows: tuple[int, ...]
+    group_tokens: tuple[int, ...]
+    last_publisher: int | None = None
+    first_decoder_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.windows or len(self.windows) != len(self.group_tokens):
+            raise ValueError("ReplayGeometry: windows and group_tokens need one entry per layer")
+        if min(self.windows) < 1 or min(self.group_tokens) < 0:
+            raise ValueError("ReplayGeometry: windows must be >= 1 and group sizes >= 0")
+        n = len(self.windows)
+        for name, value in (("last_publisher", self.last_publisher), ("first_decoder_layer", self.first_decoder_layer)):
+            if value is not None and not 0 <= value < n:
+                raise ValueError(f"ReplayGeometry: {name}={value} outside [0, {n})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.windows)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """Per-token cost figures the policy and the replay planner price work with (seconds)."""
+
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    replay_s_per_row_layer: float  # one query row through one layer during replay
+    device: str = "cpu"
+    measured: bool = False  # False: a default estimate, True: measured on this machine
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What any engine implements so statestore can persist and resume its sequences.
+
+    Engine state is opaque to statestore (`object`): only the adapter looks inside. An engine
+    we do not know can implement this with `StateKind.OPAQUE` specs and payloads.
+    """
+
+    @property
+    def model_fingerprint(self) -> bytes:
+        """16 bytes over weights identity, config, codecs and layout version."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """Every kind of state the engine produces."""
+
+    @property
+    def token_alignment(self) -> int:
+        """Exported token ranges must start and end on multiples of this (compression groups)."""
+
+    def replay_geometry(self) -> ReplayGeometry: ...
+
+    def costs(self) -> EngineCosts: ...
+
+    def new_state(self) -> object: ...
+
+    def num_tokens(self, state: object) -> int: ...
+
+    def token_ids(self, state: object) -> list[int]: ...
+
+    def append(self, state: object, token_ids: Sequence[int]) -> None:
+        """Prefill new tokens onto a live state (a new prompt or a new message)."""
+
+    def generate(self, state: object, num_tokens: int, temperature: float = 0.0, seed: int | None = None) -> list[int]: ...
+
+    def export_range(self, state: object, start: int, end: int) -> list[StatePayload]:
+        """MUST_KEEP per-token state of tokens [start, end) (aligned), one payload per kind."""
+
+    def import_range(self, state: object, payloads: Sequence[StatePayload]) -> None:
+        """Load exported per-token state into a fresh (or partially loaded) state, in order."""
+
+    def export_rebuildable(self, state: object) -> list[StatePayload]:
+        """Per-sequence REBUILDABLE state (rings, compressor tails) as of now."""
+
+    def import_rebuildable(self, state: object, token_ids: Sequence[int], payloads: Sequence[StatePayload]) -> None:
+        """Make a state whose per-token state is loaded live again without replay."""
+
+    def replay(self, state: object, token_ids: Sequence[int], layer_rows: Sequence[int]) -> None:
+        """Run the engine over trailing rows (`layer_rows[l]` for layer l) with the persisted
+        global state already imported, so the state is live and ready to generate."""
