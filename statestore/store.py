@@ -1,0 +1,660 @@
+"""The tiered store: the mechanism that places records across tiers, as the policy decides.
+
+`TieredStore` owns the tier instances (host, ssd, redis; any may be absent), the key ->
+residency index (`StateMeta`) and one eviction queue per tier, and calls the policy only
+through `_PolicyInvoker`. A miss is a result (`None`); a put that cannot be acknowledged
+raises, because the caller must learn that its state is not safe:
+
+- `BudgetExceeded`: the tier the put needs cannot fit the record without evicting pinned,
+  unacknowledged or only-durable-copy data (the message names the budget);
+- `DurabilityUnavailable`: the tier a LOCAL/SHARED put needs is absent or down.
+
+Put, step by step::
+
+    1. index the key as in flight (acked=False: nothing evicts it)
+    2. the policy picks tiers; the durability tier is always among them
+    3. make room in the durability tier (evicting by policy) and write it   -> or raise
+    4. cache copies in the other chosen tiers, best effort
+    5. acked=True, pins applied, eviction queues updated
+
+Invariants:
+- the index of a local tier (host, ssd) is authoritative: a key is resident there iff the
+  index says so (a copy found missing is dropped from the index); the index of a shared
+  tier (redis) is a hint, since other nodes write and expire it, so `get` and `lookup`
+  always ask it;
+- an eviction never removes a copy that `policy.eviction_block_reason` protects, and a
+  put never evicts anything unless the planned victims free enough room;
+- one put, promotion or explicit eviction at a time per key (`_KeyGate`).
+
+Nothing here blocks the event loop: the tiers do their I/O off it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import heapq
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from engine_adapter.base import Retention, StateSpec
+from statestore.policy import LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, required_tier
+from statestore.types import (
+    DEFAULT_TIER_PROFILES,
+    SHARED_TIERS,
+    TIER_DURABILITY,
+    TIER_ORDER,
+    Durability,
+    EventKind,
+    KindStats,
+    LookupResult,
+    OpenReport,
+    PutHints,
+    PutResult,
+    StateMeta,
+    StoreEvent,
+    TierCost,
+    TierName,
+    TierProfile,
+    TierStats,
+)
+from tiers.base import Tier
+from tiers.pools import page_bytes_for
+from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
+
+logger = logging.getLogger(__name__)
+
+
+class StoreError(Exception):
+    """A put the store could not acknowledge."""
+
+
+class BudgetExceeded(StoreError):
+    """The tier cannot fit the record without dropping protected data."""
+
+    def __init__(self, message: str, *, tier: TierName, budget_bytes: int, need_bytes: int) -> None:
+        super().__init__(message)
+        self.tier, self.budget_bytes, self.need_bytes = tier, budget_bytes, need_bytes
+
+
+class DurabilityUnavailable(StoreError):
+    """The tier the requested durability needs is absent or down: the put is not acknowledged."""
+
+    def __init__(self, message: str, *, durability: Durability, tier: TierName | None) -> None:
+        super().__init__(message)
+        self.durability, self.tier = durability, tier
+
+
+def make_page_sizes(specs: Iterable[StateSpec], block_size: int) -> dict[int, int]:
+    """Host/GPU pool page size per kind code: given, one block's payload, or one sequence's."""
+    return {int(s.kind): s.page_size_bytes or page_bytes_for(block_size=block_size, bytes_per_token=s.bytes_per_token,
+                                                              bytes_per_sequence=s.bytes_per_sequence)
+            for s in specs}
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Knobs of the mechanism (the policy has its own)."""
+
+    retention_by_kind: Mapping[int, Retention] = field(default_factory=dict)  # default MUST_KEEP
+    tier_profiles: Mapping[TierName, TierProfile] = field(default_factory=lambda: dict(DEFAULT_TIER_PROFILES))
+    eviction_window: int = 32  # candidates shown to the policy per eviction (at least enough bytes)
+    enable_events: bool = False  # record StoreEvents for take_events()
+
+
+class _Placed(enum.Enum):
+    STORED = "stored"
+    NO_ROOM = "no room"
+    UNAVAILABLE = "unavailable"
+
+
+class _EvictionQueue:
+    """A heap of (score, sequence, key) with lazy invalidation (kvcr's `_EvictionQueue`).
+
+    A key's live entry is the last one inserted; equal scores leave in insertion order.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, RecordKey]] = []
+        self._live: dict[RecordKey, tuple[float, int]] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def insert(self, key: RecordKey, score: float) -> None:
+        self._seq += 1
+        self._live[key] = (score, self._seq)
+        heapq.heappush(self._heap, (score, self._seq, key))
+        if len(self._heap) > 4 * len(self._live) + 64:  # bound the stale entries
+            self._heap = [(s, q, k) for k, (s, q) in self._live.items()]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: RecordKey) -> None:
+        self._live.pop(key, None)
+
+    def ordered(self) -> Iterator[RecordKey]:
+        """Live keys in score order; close the generator to put the visited ones back."""
+        visited: list[tuple[float, int, RecordKey]] = []
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                if self._live.get(item[2]) != item[:2]:
+                    continue
+                visited.append(item)
+                yield item[2]
+        finally:
+            for item in visited:
+                heapq.heappush(self._heap, item)
+
+
+class _KeyGate:
+    """One put / promotion / explicit eviction at a time per key; `claim` never waits."""
+
+    def __init__(self) -> None:
+        self._busy: dict[RecordKey, asyncio.Event] = {}
+
+    def busy(self, key: RecordKey) -> bool:
+        return key in self._busy
+
+    def claim(self, key: RecordKey) -> bool:
+        if key in self._busy:
+            return False
+        self._busy[key] = asyncio.Event()
+        return True
+
+    def release(self, key: RecordKey) -> None:
+        self._busy.pop(key).set()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: RecordKey) -> AsyncIterator[None]:
+        while not self.claim(key):
+            await self._busy[key].wait()
+        try:
+            yield
+        finally:
+            self.release(key)
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+
+
+def _kind_of(key: RecordKey) -> int:
+    return int.from_bytes(key[:2], "big")
+
+
+def _prefix_len(flags: Sequence[bool]) -> int:
+    n = 0
+    for present in flags:
+        if not present:
+            break
+        n += 1
+    return n
+
+
+class TieredStore:
+    """Records across host RAM, local SSD and Redis, placed and evicted by a policy.
+
+    Args:
+        host, ssd, redis: the tiers (any may be None); their `name` must match the slot.
+        policy: a `PlacementPolicy` (default `LRUPolicy`).
+        config: `StoreConfig`.
+        clock: wall-clock seconds for `created`/`last_access` (injectable for tests).
+
+    Tiers are opened by their owner (`tiers.registry.open_tier`); `await open()` then
+    re-indexes the local tiers from their scans, and `await aclose()` closes all tiers.
+    """
+
+    def __init__(self, *, host: Tier | None = None, ssd: Tier | None = None, redis: Tier | None = None,
+                 policy: PlacementPolicy | None = None, config: StoreConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        slots = {TierName.HOST: host, TierName.SSD: ssd, TierName.REDIS: redis}
+        self._tiers: dict[TierName, Tier] = {n: t for n, t in slots.items() if t is not None}
+        if not self._tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        for name, tier in self._tiers.items():
+            if tier.name != name.value:
+                raise ValueError(f"tier {tier.name!r} given as the {name.value} tier")
+        self._invoker = _PolicyInvoker(policy or LRUPolicy())
+        self._config = config or StoreConfig()
+        self._clock = clock
+        self._index: dict[RecordKey, StateMeta] = {}
+        self._queues = {n: _EvictionQueue() for n in self._tiers}
+        self._gate = _KeyGate()
+        self._counters: dict[tuple[TierName, int], _Counters] = {}
+        self._events: list[StoreEvent] = []
+
+    # ----- life cycle -------------------------------------------------------------------
+
+    async def open(self) -> OpenReport:
+        """Re-index from each local tier's scan (oldest first, so LRU order follows age).
+
+        Durability is not recorded in records: a record found on SSD is indexed as LOCAL
+        (never evicted as a cache copy would be), one in RAM as MEMORY. Shared tiers are not
+        scanned: their index is a hint and `get`/`lookup` ask them anyway.
+        """
+        indexed: dict[TierName, int] = {}
+        discarded: dict[TierName, list[str]] = {}
+        for name in self._local_tiers():
+            result = await self._tiers[name].scan()
+            for header in sorted(result.headers, key=lambda h: h.created_at_ns):
+                self._index_scanned(header, name)
+            indexed[name], discarded[name] = len(result.headers), list(result.discarded)
+        return OpenReport(indexed, discarded)
+
+    def _index_scanned(self, header: RecordHeader, name: TierName) -> None:
+        created = header.created_at_ns / 1e9
+        meta = self._index.get(header.key) or StateMeta(
+            header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
+            acked=True, created=created, last_access=created,
+            model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id)
+        # Scans give headers, not payloads: the copy's bytes are estimated from the stored size.
+        stored = header.stored_length or header.raw_length
+        meta = replace(meta, durability=max(meta.durability, TIER_DURABILITY[name]))
+        self._set_meta(meta.with_copy(name, HEADER_SIZE + stored))
+        self._event(EventKind.STORED, header.key, name, "scan")
+
+    async def aclose(self) -> None:
+        for tier in self._tiers.values():
+            await tier.aclose()
+
+    async def __aenter__(self) -> TieredStore:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ----- put ---------------------------------------------------------------------------
+
+    async def put(self, record: Record, durability: Durability = Durability.MEMORY, *, pin: bool = False,
+                  hints: PutHints | None = None) -> PutResult:
+        """Store `record`; returns once it is as safe as `durability` asks.
+
+        Raises:
+            BudgetExceeded: the durability tier cannot fit it without dropping protected data.
+            DurabilityUnavailable: the durability tier is absent or down (nothing acknowledged).
+            ValueError: the record's kind is EPHEMERAL (never stored).
+        """
+        durability = Durability(durability)
+        if self._retention(record.header.kind) is Retention.EPHEMERAL:
+            raise ValueError(f"kind {record.header.kind} is EPHEMERAL: it is never stored")
+        required = required_tier(durability, self._tiers)
+        if required is None:
+            raise DurabilityUnavailable(
+                f"{durability.name} put of {record.key.hex()} not acknowledged: no "
+                f"{'ssd' if durability is Durability.LOCAL else 'redis'} tier is configured",
+                durability=durability, tier=None)
+        async with self._gate.hold(record.key):
+            prev = self._index.get(record.key)
+            self._set_meta(self._in_flight_meta(record, durability, hints, prev))
+            done = False
+            try:
+                result = await self._put_claimed(record, durability, required, pin)
+                done = True
+                return result
+            finally:
+                if not done:
+                    self._abort_put(record.key, prev)
+
+    def _in_flight_meta(self, record: Record, durability: Durability, hints: PutHints | None,
+                        prev: StateMeta | None) -> StateMeta:
+        now = self._clock()
+        h = record.header
+        base = prev or StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), created=now,
+                                 model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id)
+        return replace(base, acked=False, durability=max(durability, base.durability), last_access=now,
+                       size_bytes=record.nbytes, hints=hints or base.hints)
+
+    async def _put_claimed(self, record: Record, durability: Durability, required: TierName,
+                           pin: bool) -> PutResult:
+        targets = self._invoker.decide_put(self._index[record.key], self._costs())
+        evicted: list[tuple[RecordKey, TierName]] = []
+        outcome = await self._place(required, record, evicted, "put")
+        if outcome is not _Placed.STORED:
+            raise self._put_failure(required, record, durability, outcome)
+        for name in TIER_ORDER:
+            if name in targets and name is not required:
+                await self._place(name, record, evicted, "put")  # a cache copy: best effort
+        meta = replace(self._index[record.key], acked=True)
+        meta = replace(meta, pinned=meta.pinned or pin)
+        self._set_meta(meta)
+        self._invoker.on_put(meta, meta.tiers)
+        return PutResult(record.key, durability, meta.tiers, tuple(evicted))
+
+    def _abort_put(self, key: RecordKey, prev: StateMeta | None) -> None:
+        """Undo the in-flight mark: the copies written stay, at the level acknowledged before."""
+        meta = self._index.get(key)
+        if meta is None:
+            return
+        meta = replace(meta, acked=True, durability=prev.durability if prev else Durability.MEMORY)
+        if meta.resident:
+            self._set_meta(meta)
+        else:
+            self._forget(key)
+
+    def _put_failure(self, name: TierName, record: Record, durability: Durability, outcome: _Placed) -> StoreError:
+        key = record.key.hex()
+        if outcome is _Placed.UNAVAILABLE:
+            return DurabilityUnavailable(
+                f"{durability.name} put of {key} not acknowledged: the {name.value} tier is unavailable "
+                f"(healthy={self._tiers[name].healthy}); retry later or ask for a lower durability",
+                durability=durability, tier=name)
+        usage = self._tiers[name].usage()
+        need = self._tiers[name].footprint(record)
+        protected = sum(m.resident_bytes(name) for m in self._index.values()
+                        if name in m.tiers and eviction_block_reason(m, name) is not None)
+        return BudgetExceeded(
+            f"{name.value} tier budget of {usage.budget_bytes} B cannot fit {need} B for record {key}: "
+            f"{usage.resident_bytes} B resident, {protected} B of it pinned, unacknowledged or the only "
+            f"durable copy; unpin or evict records, or raise the {name.value} budget",
+            tier=name, budget_bytes=usage.budget_bytes, need_bytes=need)
+
+    # ----- placement and eviction --------------------------------------------------------
+
+    async def _place(self, name: TierName, record: Record, evicted: list[tuple[RecordKey, TierName]],
+                     reason: str) -> _Placed:
+        """Write `record` into tier `name`, evicting by policy first if its budget needs it."""
+        tier = self._tiers[name]
+        need = tier.footprint(record)
+        budget = tier.usage().budget_bytes
+        if budget and need > budget:
+            return _Placed.NO_ROOM
+        freed_after_refusal = 0
+        while True:
+            short = self._shortfall(tier, need)
+            if short > 0:
+                if not await self._make_room(name, short, evicted):
+                    return _Placed.NO_ROOM
+                continue
+            if await tier.put(record):
+                self._add_copy(record.key, name, need, reason)
+                return _Placed.STORED
+            if not tier.healthy:
+                return _Placed.UNAVAILABLE
+            # Refused with room by the arithmetic (free pages held by another kind's slabs,
+            # or a concurrent put): free up to `need` more bytes, then give up.
+            if not budget or freed_after_refusal >= need:
+                return _Placed.NO_ROOM
+            freed = await self._make_room(name, need - freed_after_refusal, evicted)
+            if not freed:
+                return _Placed.NO_ROOM
+            freed_after_refusal += freed
+
+    @staticmethod
+    def _shortfall(tier: Tier, need: int) -> int:
+        usage = tier.usage()
+        return usage.resident_bytes + need - usage.budget_bytes if usage.budget_bytes else 0
+
+    async def _make_room(self, name: TierName, need: int, evicted: list[tuple[RecordKey, TierName]]) -> int:
+        """Evict the policy's victims for `need` bytes; 0 when the evictable data cannot cover it."""
+        victims = self._plan_eviction(name, need)
+        freed = 0
+        for key in victims:
+            freed += await self._evict_copy(key, name, evicted)
+        return freed
+
+    def _plan_eviction(self, name: TierName, need: int) -> list[RecordKey]:
+        candidates: list[StateMeta] = []
+        total = 0
+        with contextlib.closing(self._queues[name].ordered()) as keys:
+            for key in keys:
+                meta = self._index.get(key)
+                if meta is None or self._gate.busy(key) or eviction_block_reason(meta, name) is not None:
+                    continue
+                candidates.append(meta)
+                total += meta.resident_bytes(name)
+                if total >= need and len(candidates) >= self._config.eviction_window:
+                    break
+        if total < need:
+            return []
+        return self._invoker.decide_eviction(candidates, need, self._tier_cost(name))
+
+    async def _evict_copy(self, key: RecordKey, name: TierName, evicted: list[tuple[RecordKey, TierName]]) -> int:
+        meta = self._index.get(key)
+        if meta is None or name not in meta.tiers or eviction_block_reason(meta, name) is not None:
+            return 0
+        if not self._gate.claim(key):
+            return 0  # a put of this key started meanwhile
+        try:
+            nbytes = meta.resident_bytes(name)
+            self._drop_copy(key, name, "evicted")
+            self._counter(name, meta.kind).evictions += 1
+            evicted.append((key, name))
+            await self._tiers[name].delete(key)
+        finally:
+            self._gate.release(key)
+        return nbytes
+
+    # ----- get ---------------------------------------------------------------------------
+
+    async def get(self, key: RecordKey, *, expect_fingerprint: bytes | None = None,
+                  expect_tenant: bytes | None = None) -> Record | None:
+        """The record, searched fast to slow and promoted per policy; None on a miss.
+
+        A record of another model fingerprint or tenant than the one expected is never
+        returned (it counts as a miss).
+        """
+        searched: list[TierName] = []
+        for name in self._search_order(self._index.get(key)):
+            searched.append(name)
+            record = await self._tiers[name].get(key)
+            if record is None:
+                self._note_missing(key, name)
+                continue
+            if not self._belongs(record, expect_fingerprint, expect_tenant):
+                break
+            self._count_lookup(searched, _kind_of(key))
+            await self._after_hit(record, name)
+            return record
+        self._count_lookup(searched, _kind_of(key), hit=False)
+        return None
+
+    def _search_order(self, meta: StateMeta | None) -> list[TierName]:
+        return [n for n in TIER_ORDER if n in self._tiers and (n in SHARED_TIERS or (meta is not None and n in meta.tiers))]
+
+    @staticmethod
+    def _belongs(record: Record, fingerprint: bytes | None, tenant: bytes | None) -> bool:
+        h = record.header
+        if fingerprint is not None and h.model_fingerprint != fingerprint:
+            logger.info("record %s belongs to another model fingerprint; not served", record.key.hex())
+            return False
+        if tenant is not None and h.tenant_id != tenant:
+            logger.info("record %s belongs to another tenant; not served", record.key.hex())
+            return False
+        return True
+
+    def _count_lookup(self, searched: list[TierName], kind: int, hit: bool = True) -> None:
+        """Every present tier before the hit missed; the hit tier hit."""
+        last = TIER_ORDER.index(searched[-1]) if hit and searched else len(TIER_ORDER)
+        for name in self._tiers:
+            if TIER_ORDER.index(name) < last:
+                self._counter(name, kind).misses += 1
+        if hit and searched:
+            self._counter(searched[-1], kind).hits += 1
+
+    def _note_missing(self, key: RecordKey, name: TierName) -> None:
+        """A local tier the index trusted no longer has the copy (corrupt or removed)."""
+        meta = self._index.get(key)
+        if meta is not None and name in meta.tiers and name not in SHARED_TIERS and not self._gate.busy(key):
+            logger.warning("%s copy of %s is gone (corrupt or removed); dropped from the index", name.value, key.hex())
+            self._drop_copy(key, name, "missing")
+
+    async def _after_hit(self, record: Record, source: TierName) -> None:
+        key = record.key
+        meta = self._index.get(key) or self._adopt(record, source)
+        meta = replace(meta, last_access=self._clock(), access_count=meta.access_count + 1)
+        self._set_meta(meta)
+        self._invoker.on_access(meta, source)
+        targets = self._invoker.decide_promote(meta, source, self._costs()) - meta.tiers
+        if not targets or not self._gate.claim(key):
+            return
+        try:
+            for name in sorted(targets, key=TIER_ORDER.index):
+                if await self._place(name, record, [], "promoted") is _Placed.STORED:
+                    self._counter(name, meta.kind).promotions += 1
+        finally:
+            self._gate.release(key)
+
+    def _adopt(self, record: Record, source: TierName) -> StateMeta:
+        """Index a record another node wrote to a shared tier."""
+        h = record.header
+        meta = StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind),
+                         durability=TIER_DURABILITY[source], acked=True, created=h.created_at_ns / 1e9,
+                         model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id)
+        return meta.with_copy(source, self._tiers[source].footprint(record))
+
+    # ----- lookup, pins, explicit eviction ---------------------------------------------------
+
+    async def lookup(self, keys: Sequence[RecordKey]) -> LookupResult:
+        """Longest stored prefix of `keys` in each tier, and across tiers (each key in any).
+
+        Local tiers answer from the index (acknowledged copies); shared tiers are asked (one
+        batch round trip; a tier that is down answers no hits).
+        """
+        present: dict[TierName, list[bool]] = {}
+        for name in self._local_tiers():
+            present[name] = [self._has_copy(k, name) for k in keys]
+        for name in self._shared_tiers():
+            present[name] = await self._tiers[name].contains(keys)
+        per_tier = {name: _prefix_len(flags) for name, flags in present.items()}
+        combined = _prefix_len([any(flags[i] for flags in present.values()) for i in range(len(keys))])
+        return LookupResult(per_tier, combined)
+
+    def _has_copy(self, key: RecordKey, name: TierName) -> bool:
+        meta = self._index.get(key)
+        return meta is not None and meta.acked and name in meta.tiers
+
+    def pin(self, key: RecordKey) -> bool:
+        """Protect the record from eviction in every tier (in this process). False if unknown."""
+        return self._set_pinned(key, True)
+
+    def unpin(self, key: RecordKey) -> bool:
+        return self._set_pinned(key, False)
+
+    def _set_pinned(self, key: RecordKey, pinned: bool) -> bool:
+        meta = self._index.get(key)
+        if meta is None:
+            return False
+        self._set_meta(replace(meta, pinned=pinned))
+        return True
+
+    async def evict(self, key: RecordKey, tiers: Iterable[TierName] | None = None, *,
+                    force: bool = False) -> frozenset[TierName]:
+        """Remove the record from `tiers` (default: all), durable copies included.
+
+        A pinned record is left alone unless `force`. Waits for a put of the key in flight.
+        Returns the tiers it was removed from.
+        """
+        wanted = set(self._tiers) if tiers is None else set(tiers) & set(self._tiers)
+        async with self._gate.hold(key):
+            meta = self._index.get(key)
+            if meta is not None and meta.pinned and not force:
+                return frozenset()
+            removed = set()
+            for name in sorted(wanted, key=TIER_ORDER.index):
+                indexed = meta is not None and name in meta.tiers
+                if indexed:
+                    self._drop_copy(key, name, "explicit")
+                if (indexed or name in SHARED_TIERS) and await self._tiers[name].delete(key):
+                    removed.add(name)
+            return frozenset(removed)
+
+    # ----- introspection ---------------------------------------------------------------------
+
+    def meta(self, key: RecordKey) -> StateMeta | None:
+        return self._index.get(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[RecordKey]:
+        return list(self._index)
+
+    def usage(self) -> dict[TierName, float]:
+        """Fill of each tier in [0, 1] (0 for an unbounded tier)."""
+        return {n: t.usage().fill for n, t in self._tiers.items()}
+
+    def stats(self) -> dict[TierName, TierStats]:
+        """Per tier and kind: records and bytes (the tier's own usage), hits, misses, evictions, promotions."""
+        out = {}
+        for name, tier in self._tiers.items():
+            usage = tier.usage()
+            kinds = set(usage.by_kind) | {k for n, k in self._counters if n is name}
+            by_kind = {k: self._kind_stats(name, k, usage.by_kind.get(k)) for k in sorted(kinds)}
+            out[name] = TierStats(name, usage.budget_bytes, usage.resident_bytes, usage.fill, tier.healthy, by_kind)
+        return out
+
+    def _kind_stats(self, name: TierName, kind: int, usage: object) -> KindStats:
+        c = self._counters.get((name, kind), _Counters())
+        records = getattr(usage, "num_records", 0)
+        resident = getattr(usage, "resident_bytes", 0)
+        return KindStats(records, resident, c.hits, c.misses, c.evictions, c.promotions)
+
+    def take_events(self) -> list[StoreEvent]:
+        """Drain the residency events recorded since the last call (needs `enable_events`)."""
+        events, self._events = self._events, []
+        return events
+
+    # ----- index bookkeeping ---------------------------------------------------------------------
+
+    def _local_tiers(self) -> list[TierName]:
+        return [n for n in TIER_ORDER if n in self._tiers and n not in SHARED_TIERS]
+
+    def _shared_tiers(self) -> list[TierName]:
+        return [n for n in TIER_ORDER if n in self._tiers and n in SHARED_TIERS]
+
+    def _retention(self, kind: int) -> Retention:
+        return self._config.retention_by_kind.get(kind, Retention.MUST_KEEP)
+
+    def _set_meta(self, meta: StateMeta) -> None:
+        """Store the entry and refresh its eviction-queue membership in every tier."""
+        self._index[meta.key] = meta
+        for name, queue in self._queues.items():
+            if name in meta.tiers and eviction_block_reason(meta, name) is None:
+                queue.insert(meta.key, self._invoker.eviction_score(meta, self._tier_cost(name)))
+            else:
+                queue.remove(meta.key)
+
+    def _add_copy(self, key: RecordKey, name: TierName, nbytes: int, reason: str) -> None:
+        self._set_meta(self._index[key].with_copy(name, nbytes))
+        self._event(EventKind.STORED, key, name, reason)
+
+    def _drop_copy(self, key: RecordKey, name: TierName, reason: str) -> None:
+        meta = self._index[key].without_copy(name)
+        self._event(EventKind.REMOVED, key, name, reason)
+        self._invoker.on_remove(meta, name)
+        if meta.resident or not meta.acked:
+            self._set_meta(meta)
+        else:
+            self._forget(key)
+
+    def _forget(self, key: RecordKey) -> None:
+        self._index.pop(key, None)
+        for queue in self._queues.values():
+            queue.remove(key)
+
+    def _counter(self, name: TierName, kind: int) -> _Counters:
+        return self._counters.setdefault((name, kind), _Counters())
+
+    def _event(self, kind: EventKind, key: RecordKey, tier: TierName, reason: str) -> None:
+        if self._config.enable_events:
+            self._events.append(StoreEvent(kind, key, tier, reason))
+
+    def _tier_cost(self, name: TierName) -> TierCost:
+        tier = self._tiers[name]
+        usage = tier.usage()
+        profile = self._config.tier_profiles.get(name) or DEFAULT_TIER_PROFILES[name]
+        return TierCost(name, profile.latency_s, profile.bandwidth_bytes_per_s, usage.budget_bytes,
+                        usage.resident_bytes, tier.healthy)
+
+    def _costs(self) -> dict[TierName, TierCost]:
+        return {n: self._tier_cost(n) for n in self._tiers}

@@ -1,0 +1,369 @@
+"""TieredStore on real tiers: host RAM, SSD files under tmp_path, the real Redis.
+
+Record sizes are chosen so every id and byte count is predictable: host pages of PAGE bytes
+in one-page slabs (no slab slack), so a host of budget N * HOST_FOOTPRINT holds N records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from engine_adapter.base import Retention
+from statestore.keys import derive_tenant_salt, hash_block, make_model_fingerprint, tenant_id
+from statestore.policy import LRUPolicy
+from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore
+from statestore.types import Durability, EventKind, StateMeta, TierCost, TierName
+from tiers.host import HostTier
+from tiers.pools import record_overhead_bytes
+from tiers.record import Record, RecordKey, make_record
+
+HOST, SSD, REDIS = TierName.HOST, TierName.SSD, TierName.REDIS
+KV = 1
+PAGE = 4096
+HOST_FOOTPRINT = PAGE + record_overhead_bytes(1)
+FP = make_model_fingerprint({"layers": 2}, [1], 1, "weights-a")
+OTHER_FP = make_model_fingerprint({"layers": 2}, [1], 1, "weights-b")
+ALICE, BOB = tenant_id("alice"), tenant_id("bob")
+SALT = derive_tenant_salt(b"test-secret-0123456789", "alice")
+
+
+def rec(i: int, *, fp: bytes = FP, tenant: bytes = ALICE, size: int = PAGE, kind: int = KV) -> Record:
+    block_key = hash_block(None, [i], fp, SALT)
+    return make_record(kind, 0, bytes([i % 251]) * size, model_fingerprint=fp, tenant_id=tenant,
+                       block_key=block_key, token_start=0, token_end=1)
+
+
+def host_tier(num_records: int) -> HostTier:
+    return HostTier(num_records * HOST_FOOTPRINT, {KV: PAGE}, slab_bytes=PAGE)
+
+
+def ssd_module():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("tiers.ssd", reason="tiers/ssd.py has not landed")
+
+
+def redis_module():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("tiers.redis", reason="tiers/redis.py has not landed")
+
+
+@pytest.fixture
+async def stores() -> AsyncIterator[Callable[..., TieredStore]]:
+    """Build stores; every one is closed at teardown (its tiers with it)."""
+    made: list[TieredStore] = []
+
+    def make(**kwargs: object) -> TieredStore:
+        kwargs.setdefault("config", StoreConfig(enable_events=True))
+        store = TieredStore(**kwargs)  # type: ignore[arg-type]
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.aclose()
+
+
+async def open_ssd(root: Path, budget_bytes: int = 0):  # type: ignore[no-untyped-def]
+    return await ssd_module().SSDTier.create(root, budget_bytes)
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"sstest-{uuid.uuid4().hex[:12]}"
+
+
+async def wipe_redis(url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    try:
+        async for name in client.scan_iter(match=f"{prefix}:*"):
+            await client.delete(name)
+    finally:
+        await client.aclose()
+
+
+def ssd_bytes_on_disk(root: Path, index_entry_bytes: int) -> int:
+    """What the SSD tier documents as its residency: each record file rounded up to the file
+    system block, plus one in-memory index entry per record."""
+    block = os.stat(root).st_blksize
+    files = [p for p in root.rglob("*.rec") if "quarantine" not in p.parts]
+    return sum(-(-p.stat().st_size // block) * block for p in files) + len(files) * index_entry_bytes
+
+
+# ----- durability levels --------------------------------------------------------------------
+
+async def test_memory_put_get_round_trip(stores: Callable[..., TieredStore]) -> None:
+    store = stores(host=host_tier(4))
+    r = rec(1)
+    result = await store.put(r)
+    assert result.durability is Durability.MEMORY and result.tiers == {HOST} and result.evicted == ()
+    got = await store.get(r.key)
+    assert got is not None and got.payload == r.payload and got.header.block_key == r.header.block_key
+    assert await store.get(rec(2).key) is None
+    host_stats = store.stats()[HOST].by_kind[KV]
+    assert (host_stats.num_records, host_stats.hits, host_stats.misses) == (1, 1, 1)
+    assert store.take_events()[0].kind is EventKind.STORED and store.take_events() == []
+
+
+async def test_local_put_survives_a_new_store_over_the_same_dir(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    first = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    r = rec(1)
+    assert (await first.put(r, Durability.LOCAL)).tiers == {HOST, SSD}
+    await first.aclose()
+
+    second = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    report = await second.open()
+    assert report.indexed == {HOST: 0, SSD: 1} and report.discarded == {HOST: [], SSD: []}
+    meta = second.meta(r.key)
+    assert meta is not None and meta.durability is Durability.LOCAL and meta.tiers == {SSD}
+    got = await second.get(r.key, expect_fingerprint=FP, expect_tenant=ALICE)
+    assert got is not None and got.payload == r.payload
+    assert second.meta(r.key).tiers == {HOST, SSD}  # type: ignore[union-attr]  # promoted
+
+
+async def test_open_reports_what_the_scan_discarded(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    ssd = await open_ssd(tmp_path / "ssd")
+    store = stores(ssd=ssd)
+    r = rec(1)
+    await store.put(r, Durability.LOCAL)
+    [path] = list((tmp_path / "ssd").rglob("*.rec"))
+    path.write_bytes(path.read_bytes()[:100])  # torn
+    report = await stores(ssd=ssd).open()
+    assert report.indexed == {SSD: 0}
+    assert len(report.discarded[SSD]) == 1 and "quarantined" in report.discarded[SSD][0]
+
+
+@pytest.mark.redis
+async def test_shared_put_is_readable_by_a_second_node(
+        stores: Callable[..., TieredStore], tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
+    redis_tier = redis_module().RedisTier
+    node_a = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "a"),
+                    redis=redis_tier(redis_url, prefix=redis_prefix))
+    node_b = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "b"),
+                    redis=redis_tier(redis_url, prefix=redis_prefix))
+    try:
+        r = rec(1)
+        assert (await node_a.put(r, Durability.SHARED)).tiers == {HOST, REDIS}
+        assert (await node_b.lookup([r.key, rec(2).key])).per_tier == {HOST: 0, SSD: 0, REDIS: 1}
+        got = await node_b.get(r.key, expect_fingerprint=FP, expect_tenant=ALICE)
+        assert got is not None and got.payload == r.payload
+        meta = node_b.meta(r.key)
+        assert meta is not None and meta.tiers == {HOST, REDIS} and meta.durability is Durability.SHARED
+        assert node_b.stats()[REDIS].by_kind[KV].hits == 1
+        assert node_b.stats()[HOST].by_kind[KV].promotions == 1
+    finally:
+        await wipe_redis(redis_url, redis_prefix)
+
+
+@pytest.mark.redis
+async def test_shared_put_with_redis_down_fails_clearly_while_local_and_memory_work(
+        stores: Callable[..., TieredStore], tmp_path: Path, redis_process_factory) -> None:  # type: ignore[no-untyped-def]
+    server = redis_process_factory()
+    store = stores(host=host_tier(8), ssd=await open_ssd(tmp_path / "ssd"),
+                   redis=redis_module().RedisTier(server.url, prefix="down"))
+    assert (await store.put(rec(1), Durability.SHARED)).durability is Durability.SHARED
+    server.kill()
+    with pytest.raises(DurabilityUnavailable, match="SHARED put of .* not acknowledged: the redis tier is unavailable"):
+        await store.put(rec(2), Durability.SHARED)
+    assert store.meta(rec(2).key) is None  # nothing half-acknowledged is left indexed
+    assert (await store.put(rec(3), Durability.LOCAL)).tiers == {HOST, SSD}
+    assert (await store.put(rec(4))).tiers == {HOST}
+    assert (await store.get(rec(3).key)) is not None and (await store.get(rec(1).key)) is not None
+    lookup = await store.lookup([rec(3).key, rec(4).key])
+    assert lookup.per_tier == {HOST: 2, SSD: 1, REDIS: 0} and lookup.combined == 2
+
+
+async def test_durability_without_its_tier_is_refused(stores: Callable[..., TieredStore]) -> None:
+    store = stores(host=host_tier(2))
+    with pytest.raises(DurabilityUnavailable, match="LOCAL put of .* not acknowledged: no ssd tier is configured"):
+        await store.put(rec(1), Durability.LOCAL)
+    with pytest.raises(DurabilityUnavailable, match="no redis tier is configured"):
+        await store.put(rec(1), Durability.SHARED)
+
+
+async def test_ephemeral_kinds_are_never_stored(stores: Callable[..., TieredStore]) -> None:
+    store = stores(host=host_tier(2), config=StoreConfig(retention_by_kind={KV: Retention.EPHEMERAL}))
+    with pytest.raises(ValueError, match="EPHEMERAL"):
+        await store.put(rec(1))
+
+
+# ----- promotion and lookup ----------------------------------------------------------------------
+
+async def test_get_promotes_from_ssd_into_host(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    store = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    r = rec(1)
+    await store.put(r, Durability.LOCAL)
+    assert await store.evict(r.key, [HOST]) == {HOST}
+    store.take_events()
+    got = await store.get(r.key)
+    assert got is not None and got.payload == r.payload
+    assert store.meta(r.key).tiers == {HOST, SSD}  # type: ignore[union-attr]
+    stats = store.stats()
+    assert (stats[HOST].by_kind[KV].misses, stats[SSD].by_kind[KV].hits, stats[HOST].by_kind[KV].promotions) == (1, 1, 1)
+    [event] = store.take_events()
+    assert (event.kind, event.tier, event.reason) == (EventKind.STORED, HOST, "promoted")
+    assert (await store.get(r.key)) is not None
+    assert store.stats()[HOST].by_kind[KV].hits == 1  # now served from RAM
+
+
+async def test_lookup_longest_prefix_per_tier(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    store = stores(host=host_tier(8), ssd=await open_ssd(tmp_path / "ssd"))
+    chain = [rec(i) for i in range(5)]
+    keys = [r.key for r in chain]
+    for r in chain[:3]:
+        await store.put(r, Durability.LOCAL)  # host + ssd
+    await store.evict(keys[1], [HOST])  # host: k0 _ k2
+    await store.put(chain[3])  # host only
+    result = await store.lookup(keys)
+    # host: k0 | k1 missing ; ssd: k0 k1 k2 | k3 missing ; any tier: k0..k3 | k4 never stored
+    assert result.per_tier == {HOST: 1, SSD: 3}
+    assert result.combined == 4
+    assert (await store.lookup([])).combined == 0
+
+
+# ----- budgets, eviction, pins -------------------------------------------------------------------
+
+async def test_filling_host_evicts_in_exact_lru_order_and_residency_is_bytes_held(
+        stores: Callable[..., TieredStore]) -> None:
+    host = host_tier(4)
+    store = stores(host=host)
+    recs = [rec(i) for i in range(7)]
+    for r in recs[:4]:
+        await store.put(r)
+    await store.get(recs[0].key)  # LRU now: r1 r2 r3 r0
+    assert (await store.put(recs[4])).evicted == ((recs[1].key, HOST),)
+    await store.get(recs[2].key)  # LRU now: r3 r0 r4 r2
+    assert (await store.put(recs[5])).evicted == ((recs[3].key, HOST),)
+    assert (await store.put(recs[6])).evicted == ((recs[0].key, HOST),)
+    assert sorted(store.keys()) == sorted(r.key for r in (recs[2], recs[4], recs[5], recs[6]))
+    removed = [e.key for e in store.take_events() if e.kind is EventKind.REMOVED]
+    assert removed == [recs[1].key, recs[3].key, recs[0].key]
+    assert all(e.reason == "evicted" for e in store.take_events())
+    stats = store.stats()[HOST]
+    assert stats.by_kind[KV].evictions == 3 and stats.by_kind[KV].num_records == 4
+    # residency reported = every byte the pools hold (pages, headers, index entries)
+    assert stats.resident_bytes == host.pools.held_bytes == 4 * HOST_FOOTPRINT == stats.budget_bytes
+    assert stats.fill == 1.0
+
+
+async def test_filling_ssd_evicts_in_lru_order_and_residency_is_bytes_on_disk(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    root = tmp_path / "ssd"
+    probe = await open_ssd(tmp_path / "probe")
+    footprint = probe.footprint(rec(0))
+    await probe.aclose()
+    ssd = await open_ssd(root, budget_bytes=3 * footprint)
+    store = stores(ssd=ssd)  # no host: MEMORY puts land on the SSD as an evictable cache
+    recs = [rec(i) for i in range(6)]
+    for r in recs[:3]:
+        assert (await store.put(r)).tiers == {SSD}
+    await store.get(recs[0].key)  # LRU: r1 r2 r0
+    assert (await store.put(recs[3])).evicted == ((recs[1].key, SSD),)
+    assert (await store.put(recs[4])).evicted == ((recs[2].key, SSD),)
+    assert (await store.put(recs[5])).evicted == ((recs[0].key, SSD),)
+    on_disk = sorted(p.name for p in root.rglob("*.rec"))
+    assert on_disk == sorted(r.key.hex() + ".rec" for r in recs[3:])
+    entry = ssd_module().INDEX_ENTRY_BYTES
+    assert store.stats()[SSD].resident_bytes == ssd_bytes_on_disk(root, entry) == 3 * footprint
+
+
+async def test_pins_survive_budget_pressure(stores: Callable[..., TieredStore]) -> None:
+    store = stores(host=host_tier(3))
+    recs = [rec(i) for i in range(6)]
+    await store.put(recs[0], pin=True)
+    await store.put(recs[1])
+    await store.put(recs[2])
+    assert (await store.put(recs[3])).evicted == ((recs[1].key, HOST),)
+    assert store.pin(recs[3].key)
+    assert (await store.put(recs[4])).evicted == ((recs[2].key, HOST),)
+    assert store.pin(recs[4].key)
+    with pytest.raises(BudgetExceeded) as info:
+        await store.put(recs[5])
+    budget = 3 * HOST_FOOTPRINT
+    assert str(info.value) == (
+        f"host tier budget of {budget} B cannot fit {HOST_FOOTPRINT} B for record {recs[5].key.hex()}: "
+        f"{budget} B resident, {budget} B of it pinned, unacknowledged or the only durable copy; "
+        "unpin or evict records, or raise the host budget")
+    assert (info.value.tier, info.value.budget_bytes, info.value.need_bytes) == (HOST, budget, HOST_FOOTPRINT)
+    assert sorted(store.keys()) == sorted(r.key for r in recs[:5] if r is not recs[1] and r is not recs[2])
+    store.unpin(recs[3].key)
+    assert (await store.put(recs[5])).evicted == ((recs[3].key, HOST),)
+    assert store.meta(recs[0].key).tiers == {HOST}  # type: ignore[union-attr]
+
+
+async def test_local_records_are_never_evicted_for_room(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    ssd = await open_ssd(tmp_path / "ssd")
+    footprint = ssd.footprint(rec(0))
+    await ssd.aclose()
+    store = stores(ssd=await open_ssd(tmp_path / "ssd", budget_bytes=2 * footprint))
+    await store.put(rec(1), Durability.LOCAL)
+    await store.put(rec(2), Durability.LOCAL)
+    with pytest.raises(BudgetExceeded, match=f"ssd tier budget of {2 * footprint} B cannot fit"):
+        await store.put(rec(3), Durability.LOCAL)
+    with pytest.raises(BudgetExceeded):
+        await store.put(rec(3))  # a MEMORY put may not push out LOCAL data either
+    assert len(list((tmp_path / "ssd").rglob("*.rec"))) == 2
+
+
+async def test_a_record_too_large_for_the_tier_evicts_nothing(stores: Callable[..., TieredStore]) -> None:
+    store = stores(host=host_tier(2))
+    await store.put(rec(1))
+    with pytest.raises(BudgetExceeded):
+        await store.put(rec(2, size=3 * PAGE))
+    assert store.keys() == [rec(1).key]
+
+
+async def test_explicit_evict(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    store = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    r = rec(1)
+    await store.put(r, Durability.LOCAL, pin=True)
+    assert await store.evict(r.key) == frozenset()  # pinned
+    assert await store.evict(r.key, force=True) == {HOST, SSD}
+    assert store.meta(r.key) is None and await store.get(r.key) is None
+    assert list((tmp_path / "ssd").rglob("*.rec")) == []
+
+
+# ----- namespaces ---------------------------------------------------------------------------------
+
+async def test_records_of_another_fingerprint_or_tenant_are_never_returned(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    store = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    theirs = rec(1, fp=OTHER_FP)
+    bobs = rec(2, tenant=BOB)
+    await store.put(theirs, Durability.LOCAL)
+    await store.put(bobs, Durability.LOCAL)
+    assert await store.get(theirs.key, expect_fingerprint=FP) is None
+    assert await store.get(bobs.key, expect_tenant=ALICE) is None
+    assert await store.evict(theirs.key, [HOST]) == {HOST}
+    assert await store.get(theirs.key, expect_fingerprint=FP, expect_tenant=ALICE) is None  # from SSD too
+    assert (await store.get(theirs.key, expect_fingerprint=OTHER_FP)) is not None
+    assert (await store.get(bobs.key, expect_tenant=BOB)) is not None
+
+
+# ----- the policy boundary in the store ------------------------------------------------------------
+
+class EvictsPinned(LRUPolicy):
+    name = "evicts-pinned"
+
+    def __init__(self, victim: RecordKey) -> None:
+        self.victim = victim
+
+    def decide_eviction(self, candidates: list[StateMeta], need_bytes: int, tier: TierCost) -> list[RecordKey]:  # type: ignore[override]
+        return [self.victim]
+
+
+async def test_a_policy_that_evicts_a_pin_is_overruled(
+        stores: Callable[..., TieredStore], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="statestore.policy")
+    recs = [rec(i) for i in range(3)]
+    store = stores(host=host_tier(2), policy=EvictsPinned(recs[0].key))
+    await store.put(recs[0], pin=True)
+    await store.put(recs[1])
+    assert (await store.put(recs[2])).evicted == ((recs[1].key, HOST),)
+    assert "policy evicts-pinned: decide_eviction chose" in caplog.records[0].getMessage()
