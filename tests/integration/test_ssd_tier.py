@@ -1,0 +1,375 @@
+"""SSD tier: restart, damage detection and quarantine, leftovers, budget, write failures, kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiers.record import HEADER_SIZE, Record, RecordHeader, make_record
+from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
+
+CHILD = Path(__file__).with_name("ssd_writer_child.py")
+
+
+def rec(i: int, size: int = 64, *, kind: int = 1) -> Record:
+    block_key = hashlib.sha256(f"ssd-{i}".encode()).digest()
+    return make_record(kind, 1, hashlib.shake_256(block_key + bytes([kind])).digest(size),
+                       model_fingerprint=b"F" * 16, tenant_id=b"T" * 16, block_key=block_key,
+                       token_start=256 * i, token_end=256 * (i + 1))
+
+
+def as_built(header: RecordHeader) -> RecordHeader:
+    return dataclasses.replace(header, stored_length=0, flags=0)
+
+
+def assert_same(got: Record | None, want: Record, *, same_time: bool = True) -> None:
+    """Bit-exact payload and header (`same_time=False`: a rebuilt record has a new created_at)."""
+    assert got is not None
+    expected = want.header if same_time else dataclasses.replace(want.header, created_at_ns=got.header.created_at_ns)
+    assert got.payload == want.payload and as_built(got.header) == expected
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file below root except the lock, as paths relative to root."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+
+
+def record_path(root: Path, record: Record) -> Path:
+    key = record.key
+    return root / f"{key[2]:02x}" / f"{key[3]:02x}" / f"{key.hex()}.rec"
+
+
+@pytest.fixture
+async def tier(tmp_path: Path):
+    t = await SSDTier.create(tmp_path / "ssd")
+    yield t
+    await t.aclose()
+
+
+async def reopen(t: SSDTier, **kwargs: object) -> SSDTier:
+    await t.aclose()
+    return await SSDTier.create(t._layout.root, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_layout_is_two_level_fanout_of_the_block_key(tier: SSDTier) -> None:
+    record = rec(1)
+    await tier.put(record)
+    root = tier._layout.root
+    assert files_under(root) == [str(record_path(root, record).relative_to(root))]
+    assert record_path(root, record).stat().st_size == HEADER_SIZE + 64
+    assert tier.footprint(record) == 4096 + INDEX_ENTRY_BYTES
+
+
+async def test_restart_serves_everything_acknowledged(tier: SSDTier) -> None:
+    records = [rec(i, size, kind=1 + i % 3) for i, size in enumerate([0, 1, 4096, 5000, 300_000, 1 << 20, 3 << 20])]
+    assert await tier.put_many(records) == [True] * len(records)
+    assert await tier.delete(records[0].key)
+    usage_before = tier.usage()
+    tier = await reopen(tier)
+    try:
+        assert tier.last_scan is not None and tier.last_scan.discarded == []
+        assert sorted(h.key for h in tier.last_scan.headers) == sorted(r.key for r in records[1:])
+        assert tier.usage() == usage_before
+        assert await tier.get(records[0].key) is None
+        for record in records[1:]:
+            assert_same(await tier.get(record.key), record)
+    finally:
+        await tier.aclose()
+
+
+async def test_second_tier_on_the_same_directory_is_refused(tier: SSDTier) -> None:
+    with pytest.raises(RuntimeError, match="is in use by another SSDTier"):
+        await SSDTier.create(tier._layout.root)
+
+
+async def test_payload_bit_flip_is_caught_at_get_and_quarantined(tier: SSDTier, caplog: pytest.LogCaptureFixture) -> None:
+    good, bad = rec(1, 10_000), rec(2, 10_000)
+    await tier.put_many([good, bad])
+    path = record_path(tier._layout.root, bad)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 1234)
+        byte = f.read(1)[0]
+        f.seek(HEADER_SIZE + 1234)
+        f.write(bytes([byte ^ 0x04]))
+    with caplog.at_level(logging.WARNING, logger="tiers.ssd"):
+        assert await tier.get(bad.key) is None
+    assert "payload checksum mismatch" in caplog.text and "quarantined" in caplog.text
+    assert not path.exists()
+    assert [p.name.split(".")[0] for p in (tier._layout.root / "quarantine").iterdir()] == [bad.key.hex()]
+    assert await tier.contains([good.key, bad.key]) == [True, False]
+    assert tier.usage().resident_bytes == tier.footprint(good)
+    assert_same(await tier.get(good.key), good)
+    tier = await reopen(tier)
+    try:
+        assert tier.last_scan.discarded == [] and await tier.get(bad.key) is None
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("header_flip", "header checksum mismatch: the header is corrupt (quarantined)"),
+    ("magic", "bad magic b'XSR\\x01': not a statestore record (quarantined)"),
+    ("truncate_payload", f"file is {HEADER_SIZE + 4000} bytes but the header says {HEADER_SIZE + 5000} (quarantined)"),
+    ("truncate_header", f"truncated header: 100 of {HEADER_SIZE} bytes (quarantined)"),
+    ("append", f"file is {HEADER_SIZE + 5001} bytes but the header says {HEADER_SIZE + 5000} (quarantined)"),
+])
+async def test_damage_is_caught_at_scan_and_quarantined(tier: SSDTier, damage: str, reason: str) -> None:
+    good, bad = rec(1, 5000), rec(2, 5000)
+    await tier.put_many([good, bad])
+    path = record_path(tier._layout.root, bad)
+    data = bytearray(path.read_bytes())
+    if damage == "header_flip":
+        data[50] ^= 0x01
+    elif damage == "magic":
+        data[0] = ord("X")
+    elif damage == "truncate_payload":
+        data = data[: HEADER_SIZE + 4000]
+    elif damage == "truncate_header":
+        data = data[:100]
+    else:
+        data += b"\0"
+    path.write_bytes(data)
+    tier = await reopen(tier)
+    try:
+        rel = path.relative_to(tier._layout.root)
+        assert tier.last_scan.discarded == [f"{rel}: {reason}"]
+        assert await tier.contains([good.key, bad.key]) == [True, False]
+        assert await tier.get(bad.key) is None
+        assert_same(await tier.get(good.key), good)
+        assert len(list((tier._layout.root / "quarantine").iterdir())) == 1
+        assert tier.usage().num_records == 1
+    finally:
+        await tier.aclose()
+
+
+async def test_truncation_while_open_is_caught_at_get(tier: SSDTier) -> None:
+    record = rec(1, 8000)
+    await tier.put(record)
+    path = record_path(tier._layout.root, record)
+    os.truncate(path, HEADER_SIZE + 10)
+    assert await tier.get(record.key) is None
+    assert not path.exists() and await tier.contains([record.key]) == [False]
+
+
+async def test_foreign_and_misplaced_files_are_quarantined(tier: SSDTier) -> None:
+    a, b = rec(1), rec(2)
+    await tier.put(a)
+    root = tier._layout.root
+    misplaced = record_path(root, b)
+    misplaced.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(record_path(root, a), misplaced)  # a's bytes under b's name
+    stray = record_path(root, a).with_name("notes.txt")
+    stray.write_text("hello")
+    tier = await reopen(tier)
+    try:
+        assert sorted(tier.last_scan.discarded) == sorted([
+            f"{misplaced.relative_to(root)}: header key does not match the file name (quarantined)",
+            f"{stray.relative_to(root)}: unexpected file name or directory (quarantined)",
+        ])
+        assert await tier.contains([a.key, b.key]) == [True, False]
+    finally:
+        await tier.aclose()
+
+
+async def test_leftover_temp_files_are_removed_at_scan(tier: SSDTier) -> None:
+    record = rec(1)
+    await tier.put(record)
+    final = record_path(tier._layout.root, record)
+    leftovers = [final.with_name(final.name + ".dead01.tmp"), final.with_name(rec(9).key.hex() + ".rec.x7.tmp")]
+    for p in leftovers:
+        p.write_bytes(b"half a record")
+    tier = await reopen(tier)
+    try:
+        root = tier._layout.root
+        assert sorted(tier.last_scan.discarded) == sorted(
+            f"{p.relative_to(root)}: leftover temp file of an unacknowledged put (removed)" for p in leftovers)
+        assert files_under(root) == [str(final.relative_to(root))]
+        assert_same(await tier.get(record.key), record)
+    finally:
+        await tier.aclose()
+
+
+async def test_budget_refusal_writes_nothing(tmp_path: Path) -> None:
+    first, second = rec(1, 10_000), rec(2, 10_000)
+    probe = SSDTier(tmp_path / "probe")
+    budget = probe.footprint(first) + probe.footprint(second) - 1
+    tier = await SSDTier.create(tmp_path / "ssd", budget_bytes=budget)
+    try:
+        assert await tier.put(first) is True
+        files, usage = files_under(tier._layout.root), tier.usage()
+        assert await tier.put(second) is False
+        assert files_under(tier._layout.root) == files and tier.usage() == usage
+        assert await tier.contains([second.key]) == [False]
+        # Overwriting in place only needs the difference: the old version's bytes are freed.
+        assert await tier.put(rec(1, 9_000)) is True
+        assert tier.usage().fill == pytest.approx(tier.footprint(rec(1, 9_000)) / budget)
+    finally:
+        await tier.aclose()
+
+
+async def test_write_failure_leaves_no_half_file(tier: SSDTier, caplog: pytest.LogCaptureFixture) -> None:
+    """A write the file system refuses (EFBIG here; ENOSPC takes the same path) is a clean False."""
+    small, big = rec(1, 100), rec(2, 8 << 20)
+    await tier.put(small)
+    usage = tier.usage()
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, old_limit[1]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiers.ssd"):
+            assert await tier.put(big) is False
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert "refused by the file system" in caplog.text
+    root = tier._layout.root
+    assert files_under(root) == [str(record_path(root, small).relative_to(root))]
+    assert tier.usage() == usage and await tier.contains([big.key]) == [False]
+    assert await tier.put(big) is True  # and the tier still works afterwards
+
+
+@pytest.mark.parametrize("direct_io_min_bytes", [0, None], ids=["o_direct", "buffered"])
+async def test_unaligned_sizes_round_trip_through_both_write_paths(tmp_path: Path, direct_io_min_bytes: int | None) -> None:
+    tier = await SSDTier.create(tmp_path / "ssd", direct_io_min_bytes=direct_io_min_bytes)
+    try:
+        records = [rec(i, size) for i, size in enumerate([0, 1, 4096 - HEADER_SIZE, 4097, 1_000_003])]
+        assert await tier.put_many(records) == [True] * len(records)
+        for r in records:
+            assert record_path(tier._layout.root, r).stat().st_size == HEADER_SIZE + len(r.payload)
+            assert_same(await tier.get(r.key), r)
+    finally:
+        await tier.aclose()
+
+
+async def test_zstd_kinds_compress_only_what_pays(tmp_path: Path) -> None:
+    tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds={1: 3})
+    try:
+        zeros = make_record(1, 0, bytes(100_000), model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
+                            block_key=b"z" * 32)
+        noise, other_kind = rec(1, 100_000), rec(2, 100_000, kind=2)
+        for r in (zeros, noise, other_kind):
+            before = tier.usage().resident_bytes
+            assert await tier.put(r)
+            assert tier.usage().resident_bytes - before == tier.footprint(r)
+            assert_same(await tier.get(r.key), r)
+        root = tier._layout.root
+        assert record_path(root, zeros).stat().st_size < 1000
+        assert record_path(root, noise).stat().st_size == HEADER_SIZE + 100_000
+    finally:
+        await tier.aclose()
+    assert SSDTier(tmp_path / "x")._zstd_kinds == {}  # default: nothing is compressed
+
+
+async def test_concurrent_puts_of_one_key_leave_one_consistent_record(tier: SSDTier) -> None:
+    versions = [make_record(1, 0, bytes([v]) * (1000 * (v + 1)), model_fingerprint=b"F" * 16,
+                            tenant_id=b"T" * 16, block_key=b"k" * 32) for v in range(6)]
+    assert await asyncio.gather(*(tier.put(v) for v in versions)) == [True] * 6
+    got = await tier.get(versions[0].key)
+    assert got is not None and got.payload in {v.payload for v in versions}
+    assert tier.usage().num_records == 1
+    assert tier.usage().resident_bytes == tier.footprint(got)
+    assert len(files_under(tier._layout.root)) == 1
+
+
+async def test_scan_waits_for_puts_in_flight(tier: SSDTier) -> None:
+    records = [rec(i, 200_000) for i in range(6)]
+    puts = asyncio.gather(*(tier.put(r) for r in records))
+    await asyncio.sleep(0)
+    result = await tier.scan()
+    assert await puts == [True] * 6
+    assert result.discarded == []  # no in-flight temp file was mistaken for a leftover
+    assert await tier.contains([r.key for r in records]) == [True] * 6
+
+
+async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="not open"):
+        await SSDTier(tmp_path / "ssd").put(rec(1))
+
+
+def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> bool:
+    """SIGSTOP the child; keep it stopped only if a put is in flight (a temp file exists).
+
+    A stopped thread issues no further system call, so what is on disk then is what a
+    SIGKILL at that instant leaves behind: the kill provably lands mid-write.
+    """
+    for _ in range(attempts):
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 2
+        while not _all_threads_stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if any(root.rglob("*.tmp")):
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+    return False
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread stopped (T) or inside a system call that ends in the stop (D)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return bool(states) and all(s in "tTD" for s in states)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(60)
+def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    sys.path.insert(0, str(CHILD.parent))
+    from ssd_writer_child import child_block_key, child_record
+
+    root, num_records, kill_after = tmp_path / "ssd", 1000, 24
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(num_records), "4"],
+                            stdout=subprocess.PIPE, text=True)
+    acked: list[int] = []
+    try:
+        assert proc.stdout is not None
+        while len(acked) < kill_after:
+            line = proc.stdout.readline()
+            assert line, f"child exited early with {proc.wait()} after {acked}"
+            acked.append(int(line))
+        in_flight = _stop_while_writing(proc.pid, root)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        acked += [int(x) for x in proc.stdout.read().split()]  # acks already in the pipe
+    finally:
+        proc.kill()
+        proc.wait()
+    assert in_flight, "never caught the child with a put in flight"
+    assert len(acked) < num_records, "the child finished before the kill"
+    temps_on_disk = sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
+    assert temps_on_disk
+
+    async def check() -> None:
+        tier = await SSDTier.create(root)
+        try:
+            scan = tier.last_scan
+            assert scan is not None
+            assert sorted(scan.discarded) == [
+                f"{t}: leftover temp file of an unacknowledged put (removed)" for t in temps_on_disk]
+            assert not list(root.rglob("*.tmp"))
+            for i in acked:
+                assert_same(await tier.get(child_record(i).key), child_record(i), same_time=False)
+            index_of = {child_block_key(i): i for i in range(num_records)}
+            assert len(scan.headers) >= len(acked)
+            for header in scan.headers:  # whatever else completed is whole, never torn
+                assert_same(await tier.get(header.key), child_record(index_of[header.block_key]), same_time=False)
+        finally:
+            await tier.aclose()
+
+    asyncio.run(check())

@@ -1,0 +1,562 @@
+"""The SSD tier: one file per record, written durably, indexed in memory.
+
+Layout under `root` (two levels of fan-out keep every directory small at millions of
+records; the fan-out bytes come from the block-key part of the record key, a uniform hash,
+not from its leading kind code, which would put everything under `00/01`)::
+
+    root/
+      .lock                        flock: one SSDTier per directory at a time
+      quarantine/                  torn/corrupt/foreign files, moved aside with their name
+      ab/cd/<68 hex>.rec           record key = 2-byte kind + 32-byte block key ab cd ...
+      ab/cd/<68 hex>.rec.<tag>.tmp a put in flight; a leftover after a crash, removed at scan
+
+Durability: `put` returns True only after the five steps of `tiers._fs.write_durable`
+(temp file, fdatasync, rename, directory fsync), so an acknowledged put survives `kill -9`
+and power loss. The index (key -> header, file size) lives in memory; `scan()` rebuilds it
+from the record headers (headers only; payload checksums are verified lazily by `get`).
+
+The tier never evicts. With a budget, `put` refuses (False) a record that would not fit,
+writing nothing; the store decides what to delete to make room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import itertools
+import logging
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiofiles.os
+
+from tiers import _fs
+from tiers.base import KindUsage, ScanResult, Tier, TierUsage
+from tiers.record import (
+    HEADER_SIZE,
+    RECORD_KEY_BYTES,
+    Record,
+    RecordError,
+    RecordHeader,
+    RecordKey,
+    decode_header,
+    decode_record,
+    encode_header,
+    encode_record,
+    make_record,
+    payload_checksum,
+)
+
+if TYPE_CHECKING:
+    from tiers.registry import TierConfig
+
+logger = logging.getLogger(__name__)
+
+RECORD_SUFFIX = ".rec"
+TEMP_SUFFIX = ".tmp"
+QUARANTINE_DIR = "quarantine"
+LOCK_FILE = ".lock"
+# Records at least this large are written with O_DIRECT from an aligned buffer; measured by
+# bench/tiers.py on the development machine (ext4 on virtio): see the report in the README.
+DEFAULT_DIRECT_IO_MIN_BYTES = 1 << 20
+DEFAULT_MAX_CONCURRENCY = 8
+SCAN_CHUNK = 16  # first-level directories per scan thread call  # puts/gets in flight for put_many/get_many (journal group commit)
+
+
+@dataclass(frozen=True, slots=True)
+class SSDLayout:
+    """Where a record key lives on disk, and the inverse for the scan."""
+
+    root: Path
+
+    @staticmethod
+    def fanout(key: bytes) -> tuple[str, str]:
+        return f"{key[2]:02x}", f"{key[3]:02x}"
+
+    def path(self, key: bytes) -> Path:
+        top, sub = self.fanout(key)
+        return self.root / top / sub / (key.hex() + RECORD_SUFFIX)
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.root / QUARANTINE_DIR
+
+    @staticmethod
+    def key_from_name(name: str) -> RecordKey | None:
+        stem = name.removesuffix(RECORD_SUFFIX)
+        if stem == name or len(stem) != 2 * RECORD_KEY_BYTES:
+            return None
+        try:
+            return RecordKey(bytes.fromhex(stem))
+        except ValueError:
+            return None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One index entry: the verified header and the file's size on disk."""
+
+    header: RecordHeader
+    file_bytes: int
+
+
+@dataclass(slots=True)
+class _KindTally:
+    num_records: int = 0
+    payload_bytes: int = 0
+    overhead_bytes: int = 0
+
+
+def estimate_index_entry_bytes() -> int:
+    """Python heap bytes one index entry costs, measured on a sample (dict slot included).
+
+    Measured rather than guessed so that `usage()` stays honest across Python versions.
+    """
+    header = make_record(1, 0, b"", model_fingerprint=b"f" * 16, tenant_id=b"t" * 16,
+                         block_key=b"k" * 32, parent_key=b"p" * 32, token_start=1 << 40,
+                         token_end=(1 << 40) + 256, entry_count=1 << 20).header
+    header = dataclasses.replace(header, raw_length=1 << 33, stored_length=1 << 33)
+    entry = _Entry(header, 1 << 33)
+    key = header.key
+    parts = [entry, header, key, header.model_fingerprint, header.tenant_id, header.block_key,
+             header.parent_key, header.created_at_ns, header.raw_length, header.token_start,
+             header.token_end, header.entry_count, header.stored_length]
+    dict_slot = 3 * 8 * 3 // 2 + 8  # hash, key, value pointers at 2/3 load, plus the index
+    return _fs.round_up(sum(sys.getsizeof(p) for p in parts) + dict_slot, 16)
+
+
+INDEX_ENTRY_BYTES = estimate_index_entry_bytes()
+
+
+class _ScanGate:
+    """Mutations (put/delete/quarantine) share the gate; `scan` takes it alone.
+
+    A scan rebuilds the index from the disk; a put finishing in the middle of it would be
+    lost from the new index, and the scan would delete its temp file as a leftover.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._scanning = False
+
+    @contextlib.asynccontextmanager
+    async def mutation(self) -> AsyncIterator[None]:
+        if self._scanning:
+            async with self._cond:
+                await self._cond.wait_for(lambda: not self._scanning)
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._scanning and not self._active:
+                async with self._cond:
+                    self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._scanning)
+            self._scanning = True
+            await self._cond.wait_for(lambda: self._active == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._scanning = False
+                self._cond.notify_all()
+
+
+class _KeyLocks:
+    """One asyncio.Lock per key while someone holds or waits for it (then forgotten)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[bytes, list] = {}  # key -> [lock, number of holders and waiters]
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: bytes) -> AsyncIterator[None]:
+        slot = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        slot[1] += 1
+        try:
+            async with slot[0]:
+                yield
+        finally:
+            slot[1] -= 1
+            if not slot[1]:
+                del self._locks[key]
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadResult:
+    record: Record | None
+    inode: int
+    problem: str = ""
+
+
+def _read_record(path: Path, key: RecordKey) -> _ReadResult:
+    """Worker thread: one read of the whole file, then full verification and decode."""
+    read = _fs.read_whole(path)
+    try:
+        return _ReadResult(decode_record(read.data, expect_key=key), read.inode)
+    except RecordError as exc:
+        return _ReadResult(None, read.inode, str(exc))
+
+
+@dataclass(slots=True)
+class _DirScan:
+    entries: list[tuple[RecordKey, RecordHeader, int]] = dataclasses.field(default_factory=list)
+    discarded: list[str] = dataclasses.field(default_factory=list)
+
+
+def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
+    """Worker thread: classify every file under root/<top>/<sub>/, clean up as it goes."""
+    out = _DirScan()
+    for top in tops:
+        with os.scandir(layout.root / top) as subs:
+            for sub in subs:
+                if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                    out.discarded.append(f"{top}/{sub.name}: unexpected entry (left alone)")
+                    continue
+                with os.scandir(sub.path) as files:
+                    for f in files:
+                        _scan_file(layout, (top, sub.name), Path(f.path), out)
+    return out
+
+
+def _scan_file(layout: SSDLayout, fanout: tuple[str, str], path: Path, out: _DirScan) -> None:
+    where = f"{fanout[0]}/{fanout[1]}/{path.name}"
+    if path.name.endswith(TEMP_SUFFIX):
+        _fs.remove_quietly(path)
+        out.discarded.append(f"{where}: leftover temp file of an unacknowledged put (removed)")
+        return
+    key = layout.key_from_name(path.name)
+    if key is None or SSDLayout.fanout(key) != fanout:
+        reason = "unexpected file name or directory"
+    else:
+        try:
+            header, size = _fs.read_header(path)
+        except RecordError as exc:
+            reason = str(exc)
+        except OSError as exc:
+            out.discarded.append(f"{where}: unreadable ({exc}); left in place, not indexed")
+            return
+        else:
+            if header.key == key:
+                out.entries.append((key, header, size))
+                return
+            reason = "header key does not match the file name"
+    _fs.quarantine(path, layout.quarantine_dir)
+    out.discarded.append(f"{where}: {reason} (quarantined)")
+
+
+class SSDTier(Tier):
+    """Records as files under `root`, durable on put, verified on get.
+
+    Args:
+        root: the tier's directory (created if missing); one SSDTier owns it at a time.
+        budget_bytes: 0 = unbounded; else `put` refuses what would exceed it.
+        zstd_kinds: kind code -> zstd level for the kinds worth compressing. Empty by
+            default: FP4 KV payloads measure ~1.00x under zstd (bench/tiers.py), so the
+            tier would only pay CPU for nothing.
+        direct_io_min_bytes: records this large or larger are written with O_DIRECT
+            (None: never).
+        max_concurrency: puts/gets in flight in `put_many`/`get_many`.
+
+    Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
+    directory and scans it.
+    """
+
+    name = "ssd"
+
+    def __init__(self, root: Path | str, budget_bytes: int = 0, zstd_kinds: dict[int, int] | None = None,
+                 *, direct_io_min_bytes: int | None = DEFAULT_DIRECT_IO_MIN_BYTES,
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self._layout = SSDLayout(Path(root))
+        self._budget_bytes = budget_bytes
+        self._zstd_kinds = dict(zstd_kinds or {})
+        self._direct_io_min_bytes = direct_io_min_bytes
+        self._max_concurrency = max_concurrency
+        self._index: dict[RecordKey, _Entry] = {}
+        self._tally: dict[int, _KindTally] = {}
+        self._resident_bytes = 0
+        self._reserved_bytes = 0
+        self._block_bytes = 4096
+        self._known_dirs: dict[str, set[str]] = {f"{top:02x}": set() for top in range(256)}  # top -> subs
+        self._tmp_tag = f"{os.getpid():x}{secrets.token_hex(3)}"
+        self._tmp_seq = itertools.count()
+        self._gate = _ScanGate()
+        self._locks = _KeyLocks()
+        self._lock_fd: int | None = None
+        self.last_scan: ScanResult | None = None
+
+    # ----- life cycle -------------------------------------------------------------------
+
+    @classmethod
+    async def create(cls, root: Path | str, budget_bytes: int = 0,
+                     zstd_kinds: dict[int, int] | None = None, **kwargs: object) -> SSDTier:
+        tier = cls(root, budget_bytes, zstd_kinds, **kwargs)  # type: ignore[arg-type]
+        await tier.open()
+        return tier
+
+    @classmethod
+    def from_config(cls, config: TierConfig) -> SSDTier:
+        if config.path is None:
+            raise ValueError(f"tier {config.name!r}: the ssd tier needs a path")
+        return cls(config.path, config.budget_bytes, config.zstd_kinds, **config.options)
+
+    async def open(self) -> ScanResult:
+        """Lock the directory and rebuild the index from it. Returns what the scan found."""
+        if self._lock_fd is None:
+            self._lock_fd = await asyncio.to_thread(self._prepare_root)
+        self.last_scan = await self.scan()
+        return self.last_scan
+
+    def _prepare_root(self) -> int:
+        root = self._layout.root
+        if not root.is_dir():
+            root.mkdir(parents=True)
+            _fs.fsync_dir(root.parent)
+        self._layout.quarantine_dir.mkdir(exist_ok=True)
+        # The 256 first-level directories up front (1 MiB of directory blocks, one fsync):
+        # a put then creates at most its second-level directory.
+        created = False
+        for top in range(256):
+            try:
+                os.mkdir(root / f"{top:02x}")
+                created = True
+            except FileExistsError:
+                pass
+        if created:
+            _fs.fsync_dir(root)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"{root} is in use by another SSDTier (flock on {root / LOCK_FILE}); "
+                               "close it first or give this tier its own directory") from None
+        self._block_bytes = os.stat(root).st_blksize or 4096
+        return fd
+
+    async def aclose(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock; closing an fd does not block
+            self._lock_fd = None
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise RuntimeError("SSDTier is not open: await tier.open() (or SSDTier.create) first")
+
+    # ----- accounting -------------------------------------------------------------------
+
+    def _footprint_of(self, file_bytes: int) -> int:
+        return _fs.round_up(file_bytes, self._block_bytes) + INDEX_ENTRY_BYTES
+
+    def _file_bytes(self, record: Record) -> int:
+        level = self._zstd_kinds.get(record.header.kind)
+        if level is None:
+            return HEADER_SIZE + len(record.payload)
+        return len(encode_record(record, zstd_level=level))
+
+    def footprint(self, record: Record) -> int:
+        """Block-rounded file size plus one index entry. For a zstd kind this compresses the
+        payload to learn the size (costly; no kind is compressed by default)."""
+        return self._footprint_of(self._file_bytes(record))
+
+    def _index_add(self, key: RecordKey, entry: _Entry) -> None:
+        self._index_remove(key)
+        self._index[key] = entry
+        self._count(entry, +1)
+
+    def _index_remove(self, key: RecordKey) -> _Entry | None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._count(entry, -1)
+        return entry
+
+    def _count(self, entry: _Entry, sign: int) -> None:
+        tally = self._tally.setdefault(entry.header.kind, _KindTally())
+        footprint = self._footprint_of(entry.file_bytes)
+        payload = entry.file_bytes - HEADER_SIZE
+        tally.num_records += sign
+        tally.payload_bytes += sign * payload
+        tally.overhead_bytes += sign * (footprint - payload)
+        self._resident_bytes += sign * footprint
+        if not tally.num_records:
+            del self._tally[entry.header.kind]
+
+    def usage(self) -> TierUsage:
+        by_kind = {kind: KindUsage(t.num_records, t.payload_bytes, t.overhead_bytes)
+                   for kind, t in self._tally.items()}
+        return TierUsage(self.name, self._budget_bytes, by_kind, healthy=True)
+
+    def _try_reserve(self, need: int, old: _Entry | None) -> bool:
+        """Check/act pair with `_release`: hold `need` bytes of budget while a put is in flight."""
+        if self._budget_bytes:
+            freed = self._footprint_of(old.file_bytes) if old is not None else 0
+            if self._resident_bytes - freed + self._reserved_bytes + need > self._budget_bytes:
+                return False
+        self._reserved_bytes += need
+        return True
+
+    def _release(self, need: int) -> None:
+        self._reserved_bytes -= need
+
+    # ----- operations -------------------------------------------------------------------
+
+    async def put(self, record: Record) -> bool:
+        self._check_open()
+        key = record.key
+        async with self._gate.mutation(), self._locks.hold(key):
+            level = self._zstd_kinds.get(record.header.kind)
+            encoded = None if level is None else await asyncio.to_thread(encode_record, record, zstd_level=level)
+            file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
+            need = self._footprint_of(file_bytes)
+            if not self._try_reserve(need, self._index.get(key)):
+                logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
+                return False
+            try:
+                header = await asyncio.to_thread(self._write_record, record, encoded, self._next_tmp(key))
+            except OSError as exc:
+                self._log_write_failure(key, exc)
+                return False
+            finally:
+                self._release(need)
+            self._index_add(key, _Entry(header, file_bytes))
+            return True
+
+    def _next_tmp(self, key: RecordKey) -> Path:
+        final = self._layout.path(key)
+        return final.with_name(f"{final.name}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}")
+
+    def _write_record(self, record: Record, encoded: bytes | None, tmp: Path) -> RecordHeader:
+        """Worker thread: checksum, write durably, return the header as stored."""
+        if encoded is None:
+            payload = record.payload
+            head = encode_header(record.header, stored_length=len(payload), flags=0,
+                                 checksum=payload_checksum(payload))
+            chunks: tuple[bytes, ...] = (head, payload)
+        else:
+            head, chunks = encoded[:HEADER_SIZE], (encoded,)
+        top, sub = SSDLayout.fanout(record.key)
+        if sub not in self._known_dirs[top]:
+            _fs.make_dir_durable(self._layout.root / top / sub)
+            self._known_dirs[top].add(sub)
+        total = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
+        direct = self._direct_io_min_bytes is not None and total >= self._direct_io_min_bytes
+        _fs.write_durable(tmp, self._layout.path(record.key), chunks, direct=direct)
+        stored, _ = decode_header(head)
+        return stored
+
+    def _log_write_failure(self, key: RecordKey, exc: OSError) -> None:
+        if exc.errno in _fs.NO_ROOM_ERRNOS:
+            logger.warning("ssd put of %s refused by the file system: %s", key.hex(), exc)
+        else:
+            logger.error("ssd put of %s failed: %s", key.hex(), exc, exc_info=True)
+
+    async def get(self, key: RecordKey) -> Record | None:
+        self._check_open()
+        if key not in self._index:
+            return None
+        path = self._layout.path(key)
+        try:
+            result = await asyncio.to_thread(_read_record, path, key)
+        except RecordError as exc:  # the file shrank under the read
+            result = _ReadResult(None, -1, str(exc))
+        except FileNotFoundError:
+            await self._forget_missing(key)
+            return None
+        except OSError as exc:
+            logger.warning("ssd get of %s failed: %s", key.hex(), exc, exc_info=True)
+            return None
+        if result.record is None:
+            await self._quarantine_bad(key, path, result)
+        return result.record
+
+    async def _forget_missing(self, key: RecordKey) -> None:
+        async with self._gate.mutation(), self._locks.hold(key):
+            if key in self._index and not await aiofiles.os.path.exists(self._layout.path(key)):
+                logger.warning("ssd record %s vanished from the disk; dropped from the index", key.hex())
+                self._index_remove(key)
+
+    async def _quarantine_bad(self, key: RecordKey, path: Path, result: _ReadResult) -> None:
+        """Move the corrupt file aside, unless a newer put already replaced it."""
+        async with self._gate.mutation(), self._locks.hold(key):
+            inode = None if result.inode < 0 else result.inode
+            moved = await asyncio.to_thread(_fs.quarantine, path, self._layout.quarantine_dir, inode=inode)
+            if moved:
+                self._index_remove(key)
+                logger.warning("ssd record %s is corrupt (%s): quarantined, reported as a miss",
+                               key.hex(), result.problem)
+
+    async def delete(self, key: RecordKey) -> bool:
+        """Remove the record. Not fsynced: a delete lost in a crash brings back a valid record."""
+        self._check_open()
+        async with self._gate.mutation(), self._locks.hold(key):
+            if self._index_remove(key) is None:
+                return False
+            try:
+                await aiofiles.os.unlink(self._layout.path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("ssd delete of %s failed: %s (the next scan re-indexes it)", key.hex(), exc)
+            return True
+
+    async def contains(self, keys: Sequence[RecordKey]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    async def put_many(self, records: Sequence[Record]) -> list[bool]:
+        """Concurrent puts: the file system commits their journal entries together."""
+        return await self._bounded(self.put, records)
+
+    async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
+        return await self._bounded(self.get, keys)
+
+    async def _bounded(self, fn, items):  # type: ignore[no-untyped-def]
+        limit = asyncio.Semaphore(self._max_concurrency)
+
+        async def one(item):  # type: ignore[no-untyped-def]
+            async with limit:
+                return await fn(item)
+
+        return list(await asyncio.gather(*(one(i) for i in items)))
+
+    async def scan(self) -> ScanResult:
+        """Rebuild the index from the record headers on disk; clean up what is not a record."""
+        self._check_open()
+        async with self._gate.exclusive():
+            root = self._layout.root
+            tops, discarded = [], []
+            for name in sorted(await aiofiles.os.listdir(root)):
+                if name in (QUARANTINE_DIR, LOCK_FILE):
+                    continue
+                if len(name) == 2 and await aiofiles.os.path.isdir(root / name):
+                    tops.append(name)
+                else:
+                    discarded.append(f"{name}: unexpected entry (left alone)")
+            chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
+            scans = await asyncio.gather(*(asyncio.to_thread(_scan_top_dirs, self._layout, c) for c in chunks))
+            self._index, self._tally, self._resident_bytes = {}, {}, 0
+            headers = []
+            for part in scans:
+                discarded.extend(part.discarded)
+                for key, header, size in part.entries:
+                    self._index_add(key, _Entry(header, size))
+                    top, sub = SSDLayout.fanout(key)
+                    self._known_dirs[top].add(sub)
+                    headers.append(header)
+            for line in discarded:
+                logger.warning("ssd scan of %s: %s", root, line)
+            return ScanResult(headers, discarded)
