@@ -1,0 +1,266 @@
+"""Redis tier against real servers: the shared one, private ones that die and come back, a Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from redis.crc import key_slot
+from tiers.record import Record, RecordHeader, encode_record, make_record
+from tiers.redis import PER_KEY_OVERHEAD_BYTES, RedisTier
+
+pytestmark = pytest.mark.redis
+RedisProcess = Any  # tests/conftest.py's RedisProcess (conftest modules are not imported by name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rec(i: int, size: int = 64, *, kind: int = 1) -> Record:
+    block_key = hashlib.sha256(f"redis-{i}".encode()).digest()
+    return make_record(kind, 1, hashlib.shake_256(block_key + bytes([kind])).digest(size),
+                       model_fingerprint=b"F" * 16, tenant_id=b"T" * 16, block_key=block_key,
+                       token_start=256 * i, token_end=256 * (i + 1))
+
+
+def assert_same(got: Record | None, want: Record) -> None:
+    assert got is not None
+    assert got.payload == want.payload
+    assert dataclasses.replace(got.header, stored_length=0, flags=0) == want.header
+
+
+async def eventually(check: Callable[[], object], timeout_s: float = 10.0) -> None:
+    """Await `check()` until it is truthy (the tier's cooldown delays the first retry)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():  # type: ignore[misc]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def raw(redis_url: str, prefix: str) -> AsyncIterator[Redis]:
+    """A plain client on the shared server; removes every key of the test's prefix at teardown."""
+    async with Redis.from_url(redis_url) as client:
+        yield client
+        keys = [k async for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+
+
+@pytest.fixture
+async def tier(redis_url: str, prefix: str, raw: Redis) -> AsyncIterator[RedisTier]:
+    t = RedisTier(redis_url, prefix=prefix)
+    yield t
+    await t.aclose()
+
+
+async def test_one_key_per_record_holding_the_encoded_record(tier: RedisTier, raw: Redis, prefix: str) -> None:
+    record = rec(1, 1000, kind=3)
+    assert await tier.put(record)
+    name = f"{prefix}:{{{record.header.block_key.hex()}}}:3"
+    assert tier.redis_key(record.key) == name and tier.record_key(name) == record.key
+    assert [k async for k in raw.scan_iter(match=f"{prefix}:*")] == [name.encode()]
+    assert await raw.get(name) == encode_record(record)
+    assert await raw.ttl(name) == -1
+    assert tier.footprint(record) == len(encode_record(record)) + len(name) + PER_KEY_OVERHEAD_BYTES
+
+
+async def test_kinds_of_one_block_share_a_cluster_slot(tier: RedisTier) -> None:
+    """The hash tag is the block key: every kind of a block maps to one slot (one shard),
+    while different blocks spread."""
+    assert len({key_slot(tier.redis_key(rec(7, kind=k).key).encode()) for k in (1, 2, 3, 4, 5)}) == 1
+    assert len({key_slot(tier.redis_key(rec(i).key).encode()) for i in range(20)}) > 15
+
+
+async def test_corrupt_or_misplaced_value_is_deleted_and_missed(tier: RedisTier, raw: Redis,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    a, b = rec(1, 500), rec(2, 500)
+    assert await tier.put(a) and await tier.put(b)
+    damaged = bytearray(encode_record(a))
+    damaged[300] ^= 0x01
+    await raw.set(tier.redis_key(a.key), bytes(damaged))
+    await raw.set(tier.redis_key(b.key), encode_record(a))  # a valid record under the wrong key
+    with caplog.at_level(logging.WARNING, logger="tiers.redis"):
+        assert await tier.get_many([a.key, b.key]) == [None, None]
+    assert "payload checksum mismatch" in caplog.text
+    assert "record key does not match the key it was stored under" in caplog.text
+    assert await raw.exists(tier.redis_key(a.key), tier.redis_key(b.key)) == 0
+    assert tier.usage().num_records == 0
+
+
+async def test_scan_learns_what_another_node_wrote_and_drops_garbage(redis_url: str, tier: RedisTier,
+                                                                      raw: Redis, prefix: str) -> None:
+    records = [rec(i, 100 * i, kind=1 + i % 2) for i in range(12)]
+    assert await tier.put_many(records) == [True] * 12
+    garbage = f"{prefix}:{{{'ab' * 32}}}:1"
+    await raw.set(garbage, b"SSR\x01 not really")
+    other_node = RedisTier(redis_url, prefix=prefix)
+    try:
+        result = await other_node.scan()
+        assert sorted(h.key for h in result.headers) == sorted(r.key for r in records)
+        assert result.discarded == [f"{garbage}: truncated header: 15 of 168 bytes (deleted)"]
+        assert await raw.exists(garbage) == 0
+        assert other_node.usage() == dataclasses.replace(tier.usage(), healthy=True)
+        assert other_node.usage().resident_bytes == sum(other_node.footprint(r) for r in records)
+    finally:
+        await other_node.aclose()
+
+
+async def test_ttl_expiry(redis_url: str, prefix: str, raw: Redis) -> None:
+    tier = RedisTier(redis_url, prefix=prefix, ttl_s=1)
+    try:
+        record = rec(1)
+        assert await tier.put(record)
+        assert 0 < await raw.pttl(tier.redis_key(record.key)) <= 1000
+        assert_same(await tier.get(record.key), record)
+        await asyncio.sleep(1.1)
+        assert await tier.get(record.key) is None
+        assert await tier.contains([record.key]) == [False]
+        assert tier.usage().num_records == 0  # learned on the miss
+    finally:
+        await tier.aclose()
+
+
+async def test_budget_refuses_what_does_not_fit(redis_url: str, prefix: str, raw: Redis) -> None:
+    probe = RedisTier(redis_url, prefix=prefix)
+    a, b = rec(1, 1000), rec(2, 1000)
+    tier = RedisTier(redis_url, prefix=prefix, budget_bytes=probe.footprint(a) + probe.footprint(b) - 1)
+    try:
+        assert await tier.put(a) is True
+        assert await tier.put(b) is False
+        assert await raw.exists(tier.redis_key(b.key)) == 0
+        assert await tier.put_many([b, rec(1, 900)]) == [False, True]
+    finally:
+        await tier.aclose()
+        await probe.aclose()
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+async def test_outage_degrades_to_misses_and_recovers(redis_process_factory: Callable[..., RedisProcess],
+                                                      how: str) -> None:
+    server = redis_process_factory(persistent=True)
+    tier = RedisTier(server.url, prefix="outage", cooldown_s=0.2, max_cooldown_s=0.4)
+    try:
+        records = [rec(i, 2000) for i in range(5)]
+        assert await tier.put_many(records[:4]) == [True] * 4
+        assert await tier.put(records[4]) is True
+        keys = [r.key for r in records]
+        getattr(server, how)()
+
+        assert await tier.get(keys[0]) is None
+        assert tier.healthy is False and tier.usage().healthy is False
+        started = time.monotonic()
+        assert await tier.put(rec(9)) is False
+        assert await tier.put_many([rec(10)]) == [False]
+        assert await tier.get_many(keys) == [None] * 5
+        assert await tier.contains(keys) == [False] * 5
+        assert await tier.prefix_hits(keys) == 0
+        assert await tier.delete(keys[0]) is False
+        assert (await tier.scan()).headers == []
+        assert time.monotonic() - started < 0.5, "calls during the cooldown must not wait on the network"
+        assert await tier.check_health() is False
+
+        server.start()  # same port, same directory: the AOF brings the data back
+        await eventually(lambda: tier.get(keys[0]))
+        assert tier.healthy is True
+        for got, want in zip(await tier.get_many(keys), records):
+            assert_same(got, want)
+        assert await tier.put(rec(9)) is True
+    finally:
+        await tier.aclose()
+
+
+async def test_a_hung_server_times_out_instead_of_blocking(redis_process_factory: Callable[..., RedisProcess]) -> None:
+    server = redis_process_factory()
+    tier = RedisTier(server.url, prefix="hung", socket_timeout_s=0.2, cooldown_s=0.2)
+    try:
+        record = rec(1)
+        assert await tier.put(record)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert await tier.get(record.key) is None
+            assert time.monotonic() - started < 1.0
+            assert tier.healthy is False
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await eventually(lambda: tier.check_health())
+        assert_same(await tier.get(record.key), record)
+    finally:
+        await tier.aclose()
+
+
+def _start_cluster(factory: Callable[..., RedisProcess], num_masters: int = 3) -> list[RedisProcess]:
+    # Explicit bus ports: the default (port + 10000) overflows for high ephemeral ports.
+    nodes = [factory("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-port", str(free_port()), "--cluster-node-timeout", "2000")
+             for _ in range(num_masters)]
+    subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+                    "--cluster-replicas", "0", "--cluster-yes"],
+                   check=True, timeout=10, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return nodes
+
+
+async def _wait_cluster_ok(nodes: list[RedisProcess], timeout_s: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for node in nodes:
+        async with Redis(port=node.port) as client:
+            while (await client.execute_command("CLUSTER INFO")).get("cluster_state") != "ok":
+                assert time.monotonic() < deadline, f"cluster not ok on port {node.port}"
+                await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(15)
+async def test_cluster_put_get_contains_get_many_scan(redis_process_factory: Callable[..., RedisProcess]) -> None:
+    nodes = _start_cluster(redis_process_factory)
+    await _wait_cluster_ok(nodes)
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{nodes[0].port}", prefix="cl")
+    try:
+        assert tier.cluster
+        records = [rec(i, 3000, kind=k) for i in range(10) for k in (1, 2, 3)]
+        assert await tier.put_many(records[:15]) == [True] * 15
+        for r in records[15:]:
+            assert await tier.put(r)
+        keys = [r.key for r in records]
+        assert await tier.contains(keys + [rec(99).key]) == [True] * 30 + [False]
+        assert await tier.prefix_hits(keys) == 30
+        for got, want in zip(await tier.get_many(keys), records):
+            assert_same(got, want)
+        assert_same(await tier.get(keys[4]), records[4])
+        # Each node holds some of the keys, and all kinds of a block sit on one node.
+        owners: dict[bytes, set[int]] = {}
+        for node in nodes:
+            async with Redis(port=node.port) as client:
+                names = [k async for k in client.scan_iter(match="cl:*")]
+                assert names, f"node {node.port} holds none of the keys"
+                for name in names:
+                    owners.setdefault(name.split(b":")[1], set()).add(node.port)
+        assert len(owners) == 10 and all(len(ports) == 1 for ports in owners.values())
+        result = await tier.scan()
+        assert result.discarded == [] and sorted(h.key for h in result.headers) == sorted(keys)
+        assert await tier.delete(keys[0]) is True and await tier.get(keys[0]) is None
+    finally:
+        await tier.aclose()

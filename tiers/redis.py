@@ -1,0 +1,469 @@
+"""The Redis tier: one record per key, shared by every node; outages degrade to misses.
+
+Key layout::
+
+    {prefix}:{<64 hex block key>}:<kind code>      value = the encoded record, whole
+
+The `{...}` part is the Redis Cluster hash tag: only the block key decides the slot, so
+every kind stored for one block (global KV, index K, SWA ring, compressor tail) lives on
+the same shard. Loading a block is then one node round trip and multi-key commands over
+its kinds are legal in a Cluster, while different blocks (and sessions) still spread over
+all shards. The value is the self-describing record, so there is no metadata key that can
+dangle without its data, and a value is verified (`decode_record(expect_key=...)`) on
+every read: a corrupt one is deleted and reported as a miss.
+
+Outages: every call goes through `_attempt`. A connection error or timeout (socket timeout
+0.5 s by default, no client retries) turns into a miss / False, sets `healthy` to False and
+starts a cooldown during which calls return at once without touching the network, so a dead
+Redis costs nothing per call; the first call after the cooldown tries again, and the first
+success sets `healthy` back to True. Callers never see an exception from this tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from redis import exceptions as rex
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from tiers.base import KindUsage, ScanResult, Tier, TierUsage
+from tiers.record import (
+    HEADER_SIZE,
+    KEY_BYTES,
+    Record,
+    RecordError,
+    RecordHeader,
+    RecordKey,
+    decode_header,
+    decode_record,
+    encode_header,
+    encode_record,
+    make_record_key,
+    payload_checksum,
+    split_record_key,
+)
+
+if TYPE_CHECKING:
+    from tiers.registry import TierConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CLUSTER_SCHEME = "redis+cluster://"
+# Estimated Redis memory per key beyond the key and value bytes (dict entry, robj, sds
+# headers, jemalloc rounding); an expiry adds an entry in the expires dict. An estimate:
+# Redis memory is shared with every other client and we cannot see our share exactly.
+PER_KEY_OVERHEAD_BYTES = 64
+PER_EXPIRY_OVERHEAD_BYTES = 32
+OFFLOAD_BYTES = 1 << 20  # encode/verify values this large in a worker thread, not on the loop
+SCAN_BATCH = 512
+
+# Errors that mean "Redis is not there right now": cooldown, not a per-call warning.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,  # includes BusyLoadingError (a restarting server loading its data)
+    rex.TimeoutError,
+    rex.ClusterError,  # includes ClusterDownError, MasterDownError
+    rex.TryAgainError,
+    rex.RedisClusterException,  # no reachable node, slot not covered
+    OSError,
+    asyncio.TimeoutError,
+)
+
+# Only deletes the value if it is still the corrupt one we read (a concurrent put wins).
+_DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+@dataclass(slots=True)
+class _KindTally:
+    num_records: int = 0
+    payload_bytes: int = 0
+    overhead_bytes: int = 0
+
+
+class _Unavailable:
+    """Result of a call that did not reach Redis (outage, cooldown or error)."""
+
+
+UNAVAILABLE = _Unavailable()
+
+
+class RedisTier(Tier):
+    """Records in Redis (standalone or Cluster) under `prefix`.
+
+    Args:
+        url: `redis://host:port/db` (standalone) or `redis+cluster://host:port` (any node
+            of a Cluster; `cluster=True` does the same with a `redis://` URL).
+        prefix: key namespace; must not contain `{` or `}` (it would steal the hash tag).
+        ttl_s: expiry of every record written (None: no expiry).
+        budget_bytes: 0 = unbounded; else `put` refuses what would exceed the estimate.
+        zstd_kinds: kind code -> zstd level (default none, see SSDTier).
+        socket_timeout_s: per-operation socket timeout (connect and read).
+        cooldown_s / max_cooldown_s: after a failure, skip calls this long; doubles per
+            consecutive failure up to the maximum.
+
+    `usage()` counts the records this client wrote, read or scanned (value bytes as payload;
+    key length plus an estimated per-key overhead as overhead). It is an estimate: Redis
+    memory is shared, and keys that expired or were written by other nodes are only
+    learned when touched or scanned.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "ss", ttl_s: int | None = None, budget_bytes: int = 0,
+                 cluster: bool | None = None, zstd_kinds: dict[int, int] | None = None,
+                 socket_timeout_s: float = 0.5, cooldown_s: float = 0.5, max_cooldown_s: float = 5.0,
+                 max_connections: int = 64) -> None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ValueError(f"redis prefix {prefix!r} must be non-empty and free of '{{' and '}}'")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self._prefix = prefix
+        self._ttl_s = ttl_s
+        self._budget_bytes = budget_bytes
+        self._zstd_kinds = dict(zstd_kinds or {})
+        self._cooldown_s = cooldown_s
+        self._max_cooldown_s = max_cooldown_s
+        self._cluster = url.startswith(CLUSTER_SCHEME) if cluster is None else cluster
+        self._client = _make_client(url, self._cluster, socket_timeout_s, max_connections)
+        self._key_re = re.compile(rf"^{re.escape(prefix)}:\{{([0-9a-f]{{{2 * KEY_BYTES}}})\}}:(\d+)$")
+        self._healthy = True
+        self._current_cooldown_s = cooldown_s
+        self._skip_until = 0.0
+        self._known: dict[RecordKey, tuple[int, int]] = {}  # key -> (kind, value bytes)
+        self._tally: dict[int, _KindTally] = {}
+        self._resident_bytes = 0
+
+    @classmethod
+    def from_config(cls, config: TierConfig) -> RedisTier:
+        if not config.url:
+            raise ValueError(f"tier {config.name!r}: the redis tier needs a url")
+        return cls(config.url, prefix=config.prefix, ttl_s=config.ttl_s, budget_bytes=config.budget_bytes,
+                   zstd_kinds=config.zstd_kinds, **config.options)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def cluster(self) -> bool:
+        return self._cluster
+
+    # ----- keys -------------------------------------------------------------------------
+
+    def redis_key(self, key: RecordKey) -> str:
+        kind, block_key = split_record_key(key)
+        return f"{self._prefix}:{{{block_key.hex()}}}:{kind}"
+
+    def record_key(self, redis_key: str | bytes) -> RecordKey | None:
+        """Inverse of `redis_key`; None for a key name that is not one of ours."""
+        name = redis_key.decode("ascii", "replace") if isinstance(redis_key, bytes) else redis_key
+        m = self._key_re.match(name)
+        if m is None or int(m[2]) > 0xFFFF:
+            return None
+        return make_record_key(int(m[2]), bytes.fromhex(m[1]))
+
+    # ----- the outage boundary ----------------------------------------------------------
+
+    async def _attempt(self, op: str, call: Callable[[], Awaitable[T]]) -> T | _Unavailable:
+        """Run one Redis call; any Redis trouble becomes UNAVAILABLE, never an exception."""
+        if not self._healthy and time.monotonic() < self._skip_until:
+            return UNAVAILABLE
+        try:
+            result = await call()
+        except _OUTAGE_ERRORS as exc:
+            self._mark_down(op, exc)
+            return UNAVAILABLE
+        except rex.RedisError as exc:  # e.g. OOM on a full Redis: an answer, not an outage
+            logger.warning("redis %s refused: %s", op, exc, exc_info=True)
+            self._mark_up()
+            return UNAVAILABLE
+        self._mark_up()
+        return result
+
+    def _mark_down(self, op: str, exc: BaseException) -> None:
+        if self._healthy:
+            logger.warning("redis unavailable (%s: %s); degrading to misses, retry in %.2fs",
+                           op, exc, self._cooldown_s)
+            self._current_cooldown_s = self._cooldown_s
+        else:
+            self._current_cooldown_s = min(self._max_cooldown_s, 2 * self._current_cooldown_s)
+        logger.debug("redis %s failed", op, exc_info=True)
+        self._healthy = False
+        self._skip_until = time.monotonic() + self._current_cooldown_s
+
+    def _mark_up(self) -> None:
+        if not self._healthy:
+            logger.warning("redis answers again; tier healthy")
+        self._healthy = True
+
+    async def check_health(self) -> bool:
+        """PING now, ignoring the cooldown; updates and returns `healthy`."""
+        self._skip_until = 0.0
+        await self._attempt("ping", self._client.ping)
+        return self._healthy
+
+    # ----- accounting -------------------------------------------------------------------
+
+    def _overhead(self, key: RecordKey) -> int:
+        expiry = PER_EXPIRY_OVERHEAD_BYTES if self._ttl_s is not None else 0
+        return len(self.redis_key(key)) + PER_KEY_OVERHEAD_BYTES + expiry
+
+    def footprint(self, record: Record) -> int:
+        level = self._zstd_kinds.get(record.header.kind)
+        value_bytes = HEADER_SIZE + len(record.payload) if level is None else len(
+            encode_record(record, zstd_level=level))
+        return value_bytes + self._overhead(record.key)
+
+    def _track(self, key: RecordKey, kind: int, value_bytes: int) -> None:
+        self._untrack(key)
+        self._known[key] = (kind, value_bytes)
+        self._count(key, kind, value_bytes, +1)
+
+    def _untrack(self, key: RecordKey) -> None:
+        known = self._known.pop(key, None)
+        if known is not None:
+            self._count(key, *known, -1)
+
+    def _count(self, key: RecordKey, kind: int, value_bytes: int, sign: int) -> None:
+        tally = self._tally.setdefault(kind, _KindTally())
+        overhead = self._overhead(key)
+        tally.num_records += sign
+        tally.payload_bytes += sign * value_bytes
+        tally.overhead_bytes += sign * overhead
+        self._resident_bytes += sign * (value_bytes + overhead)
+        if not tally.num_records:
+            del self._tally[kind]
+
+    def usage(self) -> TierUsage:
+        by_kind = {kind: KindUsage(t.num_records, t.payload_bytes, t.overhead_bytes)
+                   for kind, t in self._tally.items()}
+        return TierUsage(self.name, self._budget_bytes, by_kind, healthy=self._healthy)
+
+    def _fits(self, record_key: RecordKey, value_bytes: int) -> bool:
+        if not self._budget_bytes:
+            return True
+        old = self._known.get(record_key)
+        freed = old[1] + self._overhead(record_key) if old else 0
+        need = value_bytes + self._overhead(record_key)
+        return self._resident_bytes - freed + need <= self._budget_bytes
+
+    # ----- encode / decode --------------------------------------------------------------
+
+    def _encode_sync(self, record: Record) -> bytes:
+        level = self._zstd_kinds.get(record.header.kind)
+        if level is not None:
+            return encode_record(record, zstd_level=level)
+        payload = record.payload
+        return encode_header(record.header, stored_length=len(payload), flags=0,
+                             checksum=payload_checksum(payload)) + payload
+
+    async def _encode(self, record: Record) -> bytes:
+        if len(record.payload) >= OFFLOAD_BYTES:
+            return await asyncio.to_thread(self._encode_sync, record)
+        return self._encode_sync(record)
+
+    @staticmethod
+    async def _decode(value: bytes, key: RecordKey) -> Record:
+        if len(value) >= OFFLOAD_BYTES:
+            return await asyncio.to_thread(decode_record, value, expect_key=key)
+        return decode_record(value, expect_key=key)
+
+    async def _verified(self, key: RecordKey, value: bytes | None) -> Record | None:
+        """Decode a value read from Redis; a corrupt one is deleted and becomes a miss."""
+        if value is None:
+            self._untrack(key)
+            return None
+        try:
+            record = await self._decode(value, key)
+        except RecordError as exc:
+            logger.warning("redis value of %s is corrupt (%s): deleted, reported as a miss", key.hex(), exc)
+            rkey = self.redis_key(key)
+            await self._attempt("delete corrupt", lambda: self._client.eval(_DELETE_IF_EQUAL, 1, rkey, value))
+            self._untrack(key)
+            return None
+        self._track(key, record.header.kind, len(value))
+        return record
+
+    # ----- operations -------------------------------------------------------------------
+
+    async def put(self, record: Record) -> bool:
+        value = await self._encode(record)
+        key = record.key
+        if not self._fits(key, len(value)):
+            logger.debug("redis put refused: %d bytes do not fit the budget of %d", len(value), self._budget_bytes)
+            return False
+        result = await self._attempt("put", lambda: self._client.set(self.redis_key(key), value, ex=self._ttl_s))
+        if result is UNAVAILABLE or not result:
+            return False
+        self._track(key, record.header.kind, len(value))
+        return True
+
+    async def put_many(self, records: Sequence[Record]) -> list[bool]:
+        """One pipeline of SETs for the records that fit the budget."""
+        values = [await self._encode(r) for r in records]
+        fits = [self._fits(r.key, len(v)) for r, v in zip(records, values)]
+        todo = [(r, v) for r, v, ok in zip(records, values, fits) if ok]
+        if not todo:
+            return [False] * len(records)
+
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for r, v in todo:
+                pipe.set(self.redis_key(r.key), v, ex=self._ttl_s)
+            return await pipe.execute()
+
+        replies = await self._attempt("put_many", run)
+        if replies is UNAVAILABLE:
+            return [False] * len(records)
+        stored = iter(replies)
+        out = []
+        for r, v, ok in zip(records, values, fits):
+            done = ok and bool(next(stored))
+            if done:
+                self._track(r.key, r.header.kind, len(v))
+            out.append(done)
+        return out
+
+    async def get(self, key: RecordKey) -> Record | None:
+        value = await self._attempt("get", lambda: self._client.get(self.redis_key(key)))
+        if value is UNAVAILABLE:
+            return None
+        return await self._verified(key, value)
+
+    async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
+        """MGET on standalone Redis; a pipeline of GETs on a Cluster (keys span slots)."""
+        if not keys:
+            return []
+        rkeys = [self.redis_key(k) for k in keys]
+        if self._cluster:
+            async def run() -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for rk in rkeys:
+                    pipe.get(rk)
+                return await pipe.execute()
+        else:
+            async def run() -> list[Any]:
+                return await self._client.mget(rkeys)
+        values = await self._attempt("get_many", run)
+        if values is UNAVAILABLE:
+            return [None] * len(keys)
+        return [await self._verified(k, v) for k, v in zip(keys, values)]
+
+    async def delete(self, key: RecordKey) -> bool:
+        removed = await self._attempt("delete", lambda: self._client.delete(self.redis_key(key)))
+        if removed is UNAVAILABLE:
+            return False
+        self._untrack(key)
+        return bool(removed)
+
+    async def contains(self, keys: Sequence[RecordKey]) -> list[bool]:
+        """One pipeline of EXISTS. During an outage every key is reported absent."""
+        if not keys:
+            return []
+
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(k))
+            return await pipe.execute()
+
+        replies = await self._attempt("contains", run)
+        if replies is UNAVAILABLE:
+            return [False] * len(keys)
+        present = [bool(n) for n in replies]
+        for k, there in zip(keys, present):
+            if not there:
+                self._untrack(k)  # expired or deleted by another node
+        return present
+
+    async def scan(self) -> ScanResult:
+        """SCAN our prefix, read each header (GETRANGE) and value size (STRLEN), learn them.
+
+        Values whose header is corrupt, foreign to the key name, or whose size disagrees
+        with the header are deleted and reported.
+        """
+        pattern = _glob_escape(self._prefix) + ":{*}:*"
+
+        async def list_keys() -> list[bytes]:
+            return [k async for k in self._client.scan_iter(match=pattern, count=1000)]
+
+        names = await self._attempt("scan", list_keys)
+        if names is UNAVAILABLE:
+            return ScanResult([], ["redis unavailable: scan skipped"])
+        headers, discarded = [], []
+        for start in range(0, len(names), SCAN_BATCH):
+            batch = names[start: start + SCAN_BATCH]
+            found = await self._scan_batch(batch, discarded)
+            if found is None:
+                discarded.append("redis became unavailable during the scan; it is incomplete")
+                break
+            headers.extend(found)
+        return ScanResult(headers, discarded)
+
+    async def _scan_batch(self, names: list[bytes], discarded: list[str]) -> list[RecordHeader] | None:
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.getrange(name, 0, HEADER_SIZE - 1)
+                pipe.strlen(name)
+            return await pipe.execute()
+
+        replies = await self._attempt("scan", run)
+        if replies is UNAVAILABLE:
+            return None
+        headers = []
+        for i, name in enumerate(names):
+            head, size = replies[2 * i], replies[2 * i + 1]
+            key = self.record_key(name)
+            if key is None:
+                discarded.append(f"{name!r}: not a record key of prefix {self._prefix!r} (left alone)")
+                continue
+            header, problem = _check_header(head, size, key)
+            if header is None:
+                discarded.append(f"{name.decode()}: {problem} (deleted)")
+                await self._attempt("delete corrupt", lambda: self._client.delete(name))
+                continue
+            self._track(key, header.kind, size)
+            headers.append(header)
+        return headers
+
+
+def _check_header(head: bytes, size: int, key: RecordKey) -> tuple[RecordHeader | None, str]:
+    """(the verified header, "") or (None, what is wrong with this value)."""
+    try:
+        header, _ = decode_header(head)
+    except RecordError as exc:
+        return None, str(exc)
+    if header.key != key:
+        return None, "header key does not match the key name"
+    if size != HEADER_SIZE + header.stored_length:
+        return None, f"value is {size} bytes but the header says {HEADER_SIZE + header.stored_length}"
+    return header, ""
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _make_client(url: str, cluster: bool, socket_timeout_s: float, max_connections: int) -> Redis | RedisCluster:
+    """A client that owns its pool, fails fast (short timeouts, no retries: the tier's cooldown
+    is the retry policy) and never connects in the constructor."""
+    common: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+                                  retry=Retry(NoBackoff(), 0), max_connections=max_connections)
+    if cluster:
+        plain = "redis://" + url.removeprefix(CLUSTER_SCHEME) if url.startswith(CLUSTER_SCHEME) else url
+        return RedisCluster.from_url(plain, **common)
+    return Redis.from_pool(ConnectionPool.from_url(url, **common))
