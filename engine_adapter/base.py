@@ -43,6 +43,7 @@ class Codec(enum.IntEnum):
     FP32 = 4
     BF16 = 5
     INT32 = 6
+    FP64 = 7
 
 
 @dataclass(frozen=True, slots=True)
