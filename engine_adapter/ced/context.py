@@ -1,0 +1,31 @@
+"""Per-forward metadata passed explicitly down the stack (nano-vllm's `Context`, minus the global).
+
+Index sources write their top-k here and later layers of the same forward read it; the
+candidate source writes the pool. One context per sequence per forward, then dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import RowPlan
+from .state import SequenceState
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What one forward over one sequence shares between its layers."""
+
+    state: SequenceState
+    end: int  # T: position after the newest row
+    plan: RowPlan
+    query_chunk: int  # queries per attention/indexer chunk (bounds the [chunk, E] score tiles)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [rows, k] entry ids
+    pool: torch.Tensor | None = None  # [rows, candidate_topk_blocks] block ids, from the candidate source
+    bias_cache: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # window band masks
+
+    def positions(self, num_rows: int) -> torch.Tensor:
+        """Positions of the trailing `num_rows` rows."""
+        return torch.arange(self.end - num_rows, self.end, device=self.state.tokens.view().device)
