@@ -196,14 +196,14 @@ class PagePool:
         base = sid * self.pages_per_slab
         take = min(want, slab.num_free)
         from_freed = min(take, len(slab.freed))
-        offs = [slab.freed.pop() for _ in range(from_freed)]
+        ids = [base + slab.freed.pop() for _ in range(from_freed)]
         fresh = take - from_freed
-        offs.extend(range(slab.next_fresh, slab.next_fresh + fresh))
+        ids.extend(range(base + slab.next_fresh, base + slab.next_fresh + fresh))
         slab.next_fresh += fresh
         slab.num_used += take
         if not slab.num_free and self._open and self._open[0] == sid:
             heapq.heappop(self._open)
-        return [base + o for o in offs]
+        return ids
 
     def _grow(self, want_pages: int) -> int:
         affordable = self._budget.free_bytes // self.page_bytes
@@ -261,16 +261,22 @@ class PagePool:
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """The pages one record holds."""
+    """The pages of `count` records of `payload_len` bytes each (one record, except in bulk
+    capacity planning, where a batch of records is reserved and released as one)."""
 
     kind: int
     page_ids: tuple[int, ...]
     payload_len: int
     page_bytes: int
+    count: int = 1
+
+    @property
+    def pages_per_record(self) -> int:
+        return len(self.page_ids) // self.count
 
     @property
     def footprint_bytes(self) -> int:
-        return len(self.page_ids) * self.page_bytes + record_overhead_bytes(len(self.page_ids))
+        return len(self.page_ids) * self.page_bytes + self.count * record_overhead_bytes(self.pages_per_record)
 
 
 @dataclass(slots=True)
@@ -284,7 +290,7 @@ class PoolSet:
     """Pools of one tier sharing one byte budget; records are placed by kind.
 
     Subclasses decide which pool (page size) serves a kind. Check/act pairs:
-    `can_reserve`/`reserve` (and `reserve_many` for bulk capacity planning), `release`.
+    `can_reserve`/`reserve` (and `reserve_many` for bulk capacity planning) and `release`.
     """
 
     def __init__(self, budget_bytes: int, *, slab_bytes: int | None = None, materialize: bool = True) -> None:
@@ -314,8 +320,9 @@ class PoolSet:
         n = pool.num_pages_for(payload_len)
         return self.budget.can_hold(pool.growth_bytes(n * count) + count * record_overhead_bytes(n))
 
-    def reserve_many(self, kind: int, payload_len: int, count: int) -> list[Allocation] | None:
-        """`count` records of `payload_len` bytes, all or none (None: the budget cannot fit them)."""
+    def reserve_many(self, kind: int, payload_len: int, count: int) -> Allocation | None:
+        """`count` records of `payload_len` bytes as one allocation, all or none (None: the
+        budget cannot fit them). For capacity planning; the tier reserves one at a time."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         if not self.can_reserve(kind, payload_len, count):
@@ -323,31 +330,28 @@ class PoolSet:
         pool = self.pool_for(kind)
         n = pool.num_pages_for(payload_len)
         self.budget.hold(count * record_overhead_bytes(n))
-        ids = pool.allocate(n * count)
-        allocs = [Allocation(kind, tuple(ids[i * n:(i + 1) * n]), payload_len, pool.page_bytes)
-                  for i in range(count)]
-        tally = self._tally.setdefault(kind, _KindTally())
-        tally.num_records += count
-        tally.payload_bytes += count * payload_len
-        tally.footprint_bytes += count * allocs[0].footprint_bytes
-        return allocs
+        alloc = Allocation(kind, tuple(pool.allocate(n * count)), payload_len, pool.page_bytes, count)
+        self._count(alloc, +1)
+        return alloc
 
     def reserve(self, kind: int, payload_len: int) -> Allocation | None:
-        allocs = self.reserve_many(kind, payload_len, 1)
-        return allocs[0] if allocs else None
+        return self.reserve_many(kind, payload_len, 1)
 
     def release(self, alloc: Allocation) -> None:
         self.pool_for(alloc.kind).free(alloc.page_ids)
-        self.budget.release(record_overhead_bytes(len(alloc.page_ids)))
-        tally = self._tally[alloc.kind]
-        tally.num_records -= 1
-        tally.payload_bytes -= alloc.payload_len
-        tally.footprint_bytes -= alloc.footprint_bytes
+        self.budget.release(alloc.count * record_overhead_bytes(alloc.pages_per_record))
+        self._count(alloc, -1)
+
+    def _count(self, alloc: Allocation, sign: int) -> None:
+        tally = self._tally.setdefault(alloc.kind, _KindTally())
+        tally.num_records += sign * alloc.count
+        tally.payload_bytes += sign * alloc.count * alloc.payload_len
+        tally.footprint_bytes += sign * alloc.footprint_bytes
         if not tally.num_records:
             del self._tally[alloc.kind]
 
     def write(self, alloc: Allocation, data: bytes | memoryview) -> None:
-        if len(data) != alloc.payload_len:
+        if alloc.count != 1 or len(data) != alloc.payload_len:
             raise ValueError(f"writing {len(data)} B into an allocation of {alloc.payload_len} B")
         self.pool_for(alloc.kind).write(alloc.page_ids, data)
 

@@ -126,8 +126,12 @@ def test_reserve_many_is_all_or_nothing() -> None:
     pools = PerKindPools(10_000, {KV: 1000}, slab_bytes=1000)
     assert pools.reserve_many(KV, 1000, 20) is None
     assert pools.held_bytes == 0
-    allocs = pools.reserve_many(KV, 1000, 5)
-    assert allocs is not None and len({p for a in allocs for p in a.page_ids}) == 5
+    bulk = pools.reserve_many(KV, 1000, 5)
+    assert bulk is not None and len(set(bulk.page_ids)) == 5 and bulk.pages_per_record == 1
+    assert pools.usage_by_kind()[KV].num_records == 5
+    assert pools.resident_bytes == 5 * (1000 + record_overhead_bytes(1)) == bulk.footprint_bytes
+    pools.release(bulk)
+    assert pools.held_bytes == 0 and pools.usage_by_kind() == {}
 
 
 def test_release_restores_exact_accounting() -> None:
