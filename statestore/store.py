@@ -187,6 +187,14 @@ class _Counters:
     promotions: int = 0
 
 
+@dataclass(slots=True)
+class _Op:
+    """One put or promotion: the copies it evicted and the tiers it is writing or has written."""
+
+    evicted: list[tuple[RecordKey, TierName]] = field(default_factory=list)
+    writing: set[TierName] = field(default_factory=set)
+
+
 def _kind_of(key: RecordKey) -> int:
     return int.from_bytes(key[:2], "big")
 
@@ -231,6 +239,12 @@ class TieredStore:
         self._gate = _KeyGate()
         self._counters: dict[tuple[TierName, int], _Counters] = {}
         self._events: list[StoreEvent] = []
+        # In-flight writes: bytes being written per tier (tiers do not count them in usage()),
+        # and operations that wrote to a tier and have not finished. Such an operation never
+        # waits again, so waiting for it to settle cannot deadlock.
+        self._writing_bytes: dict[TierName, int] = {n: 0 for n in self._tiers}
+        self._settling: dict[TierName, int] = {n: 0 for n in self._tiers}
+        self._settled = asyncio.Event()  # replaced on every settle: no lost wake-ups
 
     # ----- life cycle -------------------------------------------------------------------
 
@@ -296,14 +310,16 @@ class TieredStore:
         async with self._gate.hold(record.key):
             prev = self._index.get(record.key)
             self._set_meta(self._in_flight_meta(record, durability, hints, prev))
+            op = _Op()
             done = False
             try:
-                result = await self._put_claimed(record, durability, required, pin)
+                result = await self._put_claimed(record, durability, required, pin, op)
                 done = True
                 return result
             finally:
                 if not done:
                     self._abort_put(record.key, prev)
+                self._settle(op)
 
     def _in_flight_meta(self, record: Record, durability: Durability, hints: PutHints | None,
                         prev: StateMeta | None) -> StateMeta:
@@ -315,20 +331,19 @@ class TieredStore:
                        size_bytes=record.nbytes, hints=hints or base.hints)
 
     async def _put_claimed(self, record: Record, durability: Durability, required: TierName,
-                           pin: bool) -> PutResult:
+                           pin: bool, op: _Op) -> PutResult:
         targets = self._invoker.decide_put(self._index[record.key], self._costs())
-        evicted: list[tuple[RecordKey, TierName]] = []
-        outcome = await self._place(required, record, evicted, "put")
+        outcome = await self._place(required, record, op, "put", may_wait=True)
         if outcome is not _Placed.STORED:
             raise self._put_failure(required, record, durability, outcome)
         for name in TIER_ORDER:
             if name in targets and name is not required:
-                await self._place(name, record, evicted, "put")  # a cache copy: best effort
+                await self._place(name, record, op, "put")  # a cache copy: best effort, never waits
         meta = replace(self._index[record.key], acked=True)
         meta = replace(meta, pinned=meta.pinned or pin)
         self._set_meta(meta)
         self._invoker.on_put(meta, meta.tiers)
-        return PutResult(record.key, durability, meta.tiers, tuple(evicted))
+        return PutResult(record.key, durability, meta.tiers, tuple(op.evicted))
 
     def _abort_put(self, key: RecordKey, prev: StateMeta | None) -> None:
         """Undo the in-flight mark: the copies written stay, at the level acknowledged before."""
@@ -360,9 +375,13 @@ class TieredStore:
 
     # ----- placement and eviction --------------------------------------------------------
 
-    async def _place(self, name: TierName, record: Record, evicted: list[tuple[RecordKey, TierName]],
-                     reason: str) -> _Placed:
-        """Write `record` into tier `name`, evicting by policy first if its budget needs it."""
+    async def _place(self, name: TierName, record: Record, op: _Op, reason: str, *,
+                     may_wait: bool = False) -> _Placed:
+        """Write `record` into tier `name`, evicting by policy first if its budget needs it.
+
+        With `may_wait`, a put that finds the room taken by other operations' writes still in
+        flight waits for them to settle (their copies then become evictable) instead of failing.
+        """
         tier = self._tiers[name]
         need = tier.footprint(record)
         budget = tier.usage().budget_bytes
@@ -370,36 +389,58 @@ class TieredStore:
             return _Placed.NO_ROOM
         freed_after_refusal = 0
         while True:
-            short = self._shortfall(tier, need)
+            short = self._shortfall(name, need)
             if short > 0:
-                if not await self._make_room(name, short, evicted):
-                    return _Placed.NO_ROOM
-                continue
-            if await tier.put(record):
+                if await self._make_room(name, short, op):
+                    continue
+                if may_wait and self._settling[name]:
+                    await self._settled.wait()
+                    continue
+                return _Placed.NO_ROOM
+            if await self._write(name, record, need, op):
                 self._add_copy(record.key, name, need, reason)
                 return _Placed.STORED
             if not tier.healthy:
                 return _Placed.UNAVAILABLE
-            # Refused with room by the arithmetic (free pages held by another kind's slabs,
-            # or a concurrent put): free up to `need` more bytes, then give up.
+            # Refused with room by the arithmetic (free pages held by another kind's slabs):
+            # free up to `need` more bytes, then give up.
             if not budget or freed_after_refusal >= need:
                 return _Placed.NO_ROOM
-            freed = await self._make_room(name, need - freed_after_refusal, evicted)
+            freed = await self._make_room(name, need - freed_after_refusal, op)
             if not freed:
                 return _Placed.NO_ROOM
             freed_after_refusal += freed
 
-    @staticmethod
-    def _shortfall(tier: Tier, need: int) -> int:
-        usage = tier.usage()
-        return usage.resident_bytes + need - usage.budget_bytes if usage.budget_bytes else 0
+    async def _write(self, name: TierName, record: Record, need: int, op: _Op) -> bool:
+        if name not in op.writing:
+            op.writing.add(name)
+            self._settling[name] += 1
+        self._writing_bytes[name] += need
+        try:
+            return await self._tiers[name].put(record)
+        finally:
+            self._writing_bytes[name] -= need
 
-    async def _make_room(self, name: TierName, need: int, evicted: list[tuple[RecordKey, TierName]]) -> int:
+    def _settle(self, op: _Op) -> None:
+        """The operation is over: wake whoever waits for room it held."""
+        for name in op.writing:
+            self._settling[name] -= 1
+        if op.writing:
+            settled, self._settled = self._settled, asyncio.Event()
+            settled.set()
+
+    def _shortfall(self, name: TierName, need: int) -> int:
+        usage = self._tiers[name].usage()
+        if not usage.budget_bytes:
+            return 0
+        return usage.resident_bytes + self._writing_bytes[name] + need - usage.budget_bytes
+
+    async def _make_room(self, name: TierName, need: int, op: _Op) -> int:
         """Evict the policy's victims for `need` bytes; 0 when the evictable data cannot cover it."""
         victims = self._plan_eviction(name, need)
         freed = 0
         for key in victims:
-            freed += await self._evict_copy(key, name, evicted)
+            freed += await self._evict_copy(key, name, op)
         return freed
 
     def _plan_eviction(self, name: TierName, need: int) -> list[RecordKey]:
@@ -418,7 +459,7 @@ class TieredStore:
             return []
         return self._invoker.decide_eviction(candidates, need, self._tier_cost(name))
 
-    async def _evict_copy(self, key: RecordKey, name: TierName, evicted: list[tuple[RecordKey, TierName]]) -> int:
+    async def _evict_copy(self, key: RecordKey, name: TierName, op: _Op) -> int:
         meta = self._index.get(key)
         if meta is None or name not in meta.tiers or eviction_block_reason(meta, name) is not None:
             return 0
@@ -428,7 +469,7 @@ class TieredStore:
             nbytes = meta.resident_bytes(name)
             self._drop_copy(key, name, "evicted")
             self._counter(name, meta.kind).evictions += 1
-            evicted.append((key, name))
+            op.evicted.append((key, name))
             await self._tiers[name].delete(key)
         finally:
             self._gate.release(key)
@@ -497,12 +538,14 @@ class TieredStore:
         targets = self._invoker.decide_promote(meta, source, self._costs()) - meta.tiers
         if not targets or not self._gate.claim(key):
             return
+        op = _Op()
         try:
             for name in sorted(targets, key=TIER_ORDER.index):
-                if await self._place(name, record, [], "promoted") is _Placed.STORED:
+                if await self._place(name, record, op, "promoted") is _Placed.STORED:
                     self._counter(name, meta.kind).promotions += 1
         finally:
             self._gate.release(key)
+            self._settle(op)
 
     def _adopt(self, record: Record, source: TierName) -> StateMeta:
         """Index a record another node wrote to a shared tier."""

@@ -367,3 +367,25 @@ async def test_a_policy_that_evicts_a_pin_is_overruled(
     await store.put(recs[1])
     assert (await store.put(recs[2])).evicted == ((recs[1].key, HOST),)
     assert "policy evicts-pinned: decide_eviction chose" in caplog.records[0].getMessage()
+
+
+# ----- concurrency ---------------------------------------------------------------------------------
+
+async def test_concurrent_puts_into_a_full_ssd_all_land_and_accounting_stays_exact(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    import asyncio
+
+    root = tmp_path / "ssd"
+    probe = await open_ssd(tmp_path / "probe")
+    footprint = probe.footprint(rec(0))
+    await probe.aclose()
+    store = stores(ssd=await open_ssd(root, budget_bytes=3 * footprint))
+    recs = [rec(i) for i in range(12)]
+    results = await asyncio.gather(*(store.put(r) for r in recs))
+    assert all(res.tiers == {SSD} for res in results)
+    kept = {p.name.removesuffix(".rec") for p in root.rglob("*.rec")}
+    assert len(kept) == 3 and kept == {k.hex() for k in store.keys()}
+    evicted = [k for res in results for k, _ in res.evicted]
+    assert len(evicted) == len(set(evicted)) == 9
+    entry = ssd_module().INDEX_ENTRY_BYTES
+    assert store.stats()[SSD].resident_bytes == ssd_bytes_on_disk(root, entry) == 3 * footprint
