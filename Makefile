@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 # multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean proto
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+proto: install
+	PYTHON=$(BIN)/python scripts/gen_proto.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
