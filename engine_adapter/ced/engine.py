@@ -139,9 +139,9 @@ class CEDEngine:
         is the whole sequence [0, T), T >= P. Layer l reads only the trailing
         `rows_per_layer.layer_rows[l]` rows, so its SWA ring comes from replayed rows alone;
         global reads use the persisted entries, which are never rewritten: only tokens past P
-        publish (so every KV source layer must read all of [P, T), starting on a multiple of
-        its ratio: a compressor group is never split at the edge). Build the plan with
-        `plan.replay_rows`.
+        publish, so every KV source layer must read all of [P, T). P is a multiple of each
+        source's ratio (entries are whole groups), so no compressor group straddles the edge;
+        rows below P are read as window keys only. Build the plan with `plan.replay_rows`.
         """
         tokens = self._as_tokens(token_ids)
         self._check_replay(state, tokens.shape[0], rows_per_layer)
@@ -200,9 +200,6 @@ class CEDEngine:
             if start > published:
                 raise ValueError(f"replay: layer {sid} reads rows from {start}, but its entries end at {published}: "
                                  f"the unpublished tokens [{published}, {num_tokens}) must all be replayed")
-            if start % src.ratio:
-                raise ValueError(f"replay: layer {sid} (ratio {src.ratio}) starts at row {start}; replay boundaries "
-                                 f"respect ratio groups (start must be a multiple of {src.ratio})")
 
     # ------------------------------------------------------------------ state transfer
 

@@ -108,9 +108,9 @@ def entries_in(config: CEDConfig, source_id: int, start: int, end: int) -> int:
 def export_global(config: CEDConfig, state: SequenceState, start: int, end: int) -> GlobalSlice:
     """Packed main entries and index keys covering tokens [start, end)."""
     check_token_range(config, start, end)
-    if end > state.num_tokens or any(end // s.ratio > s.num_entries for s in state.sources.values()):
-        raise ValueError(f"export_global: tokens [{start}, {end}) are not all published (the state has "
-                         f"{state.num_tokens} tokens)")
+    if any(end // s.ratio > s.num_entries for s in state.sources.values()):
+        raise ValueError(f"export_global: tokens [{start}, {end}) are not all published (entries cover "
+                         f"{ {sid: s.published_tokens for sid, s in state.sources.items()} } tokens per source)")
     main, index = [], []
     for sid in config.kv_source_layer_ids:
         r = config.compress_ratios[sid]
