@@ -195,7 +195,7 @@ class ResumeReport:
     mode: str  # the replay mode used, or "rings" when the kept rings made replay unnecessary
     num_tokens: int
     persisted_tokens: int
-    bytes_loaded: int
+    bytes_loaded: int  # payload bytes read from the tiers: token ids, global state used, rings
     replay_tokens: int
     row_layers: int
     load_seconds: float
@@ -325,6 +325,14 @@ class SessionManager:
     async def drop(self, tenant: str, session_id: str) -> bool:
         """Forget the in-memory state (what a checkpoint saved stays)."""
         return self._live.pop((tenant, session_id), None) is not None
+
+    def live_state(self, tenant: str, session_id: str) -> object:
+        """The engine state of an active session, opaque (only the adapter looks inside).
+
+        For diagnostics and tests (e.g. comparing a resumed state's logits with an
+        uninterrupted run's); do not mutate it while the session is in use.
+        """
+        return self._get_live(tenant, session_id).state
 
     def _get_live(self, tenant: str, session_id: str) -> _Live:
         self.check_session_id(session_id)
@@ -523,7 +531,13 @@ class SessionManager:
         t0 = time.perf_counter()
         tokens = await self._load_tokens(tenant, session_id, manifest)
         rings = await self._load_rings(tenant, session_id, manifest) if self._rings_valid(manifest) else None
-        payloads, persisted, nbytes = await self._load_global(tenant, session_id, manifest)
+        if mode == "off" and rings is None:  # a re-prefill needs the token ids alone: load no global state,
+            payloads, nbytes = [], 0      # but count the stored blocks so a checkpoint never rewrites them
+            stored = await self.store.lookup(self._block_record_keys(manifest))
+            persisted = stored.combined // 2 * manifest.block_size
+        else:
+            payloads, persisted, nbytes = await self._load_global(tenant, session_id, manifest)
+        nbytes += 4 * len(tokens)
         state = await self._run(self.adapter.new_state)
         await self._run(self.adapter.import_range, state, payloads)
         load_s = time.perf_counter() - t0
@@ -536,7 +550,7 @@ class SessionManager:
             if plan.rows is None:
                 state = await self._run(self.adapter.new_state)  # `off`: re-prefill from tokens alone
             done = await self._run(execute_replay, self.adapter, state, tokens, plan)
-            report = ResumeReport(mode, len(tokens), plan.persisted_tokens, nbytes if plan.rows else 0,
+            report = ResumeReport(mode, len(tokens), plan.persisted_tokens, nbytes,
                                   done.replay_tokens, done.row_layers, load_s, done.seconds)
         known = [bytes.fromhex(k) for k in manifest.block_keys]
         self._live[tenant, session_id] = _Live(state=state, block_keys=known,
