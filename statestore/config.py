@@ -1,0 +1,244 @@
+"""Service configuration: one TOML file, `STATESTORE_*` environment overrides, and an embedded
+default that needs nothing installed (host RAM + an SSD directory under the user's cache
+folder, no Redis, loopback only, the bundled `tiny` engine).
+
+Precedence, lowest first: the embedded default, the TOML file, the environment, then the
+command line (`with_overrides`). Every value is validated in one place (`ServiceConfig.
+__post_init__`) and an error names the setting, where it came from, and what is allowed.
+
+TOML layout (every key optional)::
+
+    [server]   listen = "127.0.0.1:7450"   max_message_bytes = 4194304   max_record_bytes = 67108864
+               max_stream_bytes = 268435456   grace_s = 10.0
+    [tls]      cert = "server.crt"   key = "server.key"
+    [auth]     tokens = { alice = "s3cret-a", bob = "s3cret-b" }     # tenant -> bearer token
+    [metrics]  port = 9464   addr = "127.0.0.1"                        # port 0 = no endpoint
+    [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
+               ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
+    [engine]   preset = "tiny"   seed = 0
+    [sessions] block_size = 256   durability = "local"   default_mode = "bounded"   keep_rings_ttl_s = 0
+
+Environment: `STATESTORE_<SECTION>_<KEY>` (e.g. `STATESTORE_SERVER_LISTEN`,
+`STATESTORE_ENGINE_PRESET`), plus the short forms `STATESTORE_LISTEN`, `STATESTORE_DATA_DIR`
+and `STATESTORE_TOKENS` ("alice=tok1,bob=tok2").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+ENGINE_PRESETS = ("mini", "tiny")
+DURABILITIES = ("memory", "local", "shared")
+REPLAY_MODES = ("exact", "bounded", "off")
+DEFAULT_PORT = 7450
+
+
+class ConfigError(ValueError):
+    """A setting is missing, mistyped or out of range; the message names it."""
+
+
+def default_data_dir() -> Path:
+    """`$XDG_CACHE_HOME/statestore`, else `~/.cache/statestore`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "statestore"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Everything `statestore serve` needs. Field comments give units; all are validated."""
+
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"  # HOST:PORT; port 0 = any free port
+    max_message_bytes: int = 4 << 20  # gRPC send/receive limit per message
+    max_record_bytes: int = 64 << 20  # largest encoded record a PutRecords stream may carry
+    max_stream_bytes: int = 256 << 20  # all records of one PutRecords stream together
+    grace_s: float = 10.0  # graceful-shutdown window for in-flight calls (checkpoints)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tokens: Mapping[str, str] = field(default_factory=dict)  # tenant -> bearer token
+    metrics_port: int = 0  # Prometheus endpoint; 0 = none
+    metrics_addr: str = "127.0.0.1"
+    data_dir: Path = field(default_factory=default_data_dir)
+    host_budget_bytes: int = 1 << 30
+    ssd_budget_bytes: int = 0  # 0 = unbounded
+    redis_url: str = ""  # "" = no Redis tier
+    redis_prefix: str = "ss"
+    engine_preset: str = "tiny"
+    engine_seed: int = 0
+    block_size: int = 256
+    durability: str = "local"  # checkpoint default
+    default_mode: str = "bounded"
+    keep_rings_ttl_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        host, port = split_listen(self.listen)
+        _check(0 <= port <= 65535, "server.listen", f"port {port} outside 0..65535")
+        _check(64 << 10 <= self.max_message_bytes <= 1 << 30, "server.max_message_bytes",
+               f"{self.max_message_bytes} outside [65536, 1073741824]")
+        _check(self.max_record_bytes >= 1024, "server.max_record_bytes", f"{self.max_record_bytes} < 1024")
+        _check(self.max_stream_bytes >= self.max_record_bytes, "server.max_stream_bytes",
+               f"{self.max_stream_bytes} < max_record_bytes {self.max_record_bytes}")
+        _check(self.grace_s >= 0, "server.grace_s", f"{self.grace_s} < 0")
+        _check((self.tls_cert is None) == (self.tls_key is None), "tls",
+               "give both tls.cert and tls.key, or neither")
+        for tenant, token in self.tokens.items():
+            _check(bool(tenant) and isinstance(token, str) and len(token) >= 8, "auth.tokens",
+                   f"tenant {tenant!r} needs a token of at least 8 characters")
+        _check(len(set(self.tokens.values())) == len(self.tokens), "auth.tokens", "two tenants share a token")
+        _check(0 <= self.metrics_port <= 65535, "metrics.port", f"{self.metrics_port} outside 0..65535")
+        _check(self.host_budget_bytes > 0, "storage.host_budget_bytes", f"{self.host_budget_bytes} <= 0")
+        _check(self.ssd_budget_bytes >= 0, "storage.ssd_budget_bytes", f"{self.ssd_budget_bytes} < 0")
+        _check(self.redis_url == "" or self.redis_url.startswith(("redis://", "rediss://", "redis+cluster://")),
+               "storage.redis_url", f"{self.redis_url!r} is not a redis:// URL")
+        _check(self.engine_preset in ENGINE_PRESETS, "engine.preset",
+               f"{self.engine_preset!r} is not one of {', '.join(ENGINE_PRESETS)}")
+        _check(self.block_size > 0, "sessions.block_size", f"{self.block_size} <= 0")
+        _check(self.durability in DURABILITIES, "sessions.durability",
+               f"{self.durability!r} is not one of {', '.join(DURABILITIES)}")
+        _check(self.default_mode in REPLAY_MODES, "sessions.default_mode",
+               f"{self.default_mode!r} is not one of {', '.join(REPLAY_MODES)}")
+        _check(self.keep_rings_ttl_s >= 0, "sessions.keep_rings_ttl_s", f"{self.keep_rings_ttl_s} < 0")
+        _check(bool(self.tokens) or is_loopback(host), "server.listen",
+               f"{self.listen} is not a loopback address and no auth.tokens are configured: "
+               f"configure tenant tokens to serve beyond this machine")
+
+    @property
+    def host(self) -> str:
+        return split_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return split_listen(self.listen)[1]
+
+    @property
+    def ssd_dir(self) -> Path:
+        return self.data_dir / "ssd"
+
+    def with_overrides(self, **changes: Any) -> ServiceConfig:
+        """A copy with the given fields replaced (None values are ignored), validated."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """"HOST:PORT" or "[v6]:PORT" -> (host, port); ConfigError when malformed."""
+    host, sep, port = str(listen).rpartition(":")
+    _check(bool(sep) and bool(host) and port.isdigit(), "server.listen", f"{listen!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config {name}: {why}")
+
+
+# (section, key) -> field name; the environment name is STATESTORE_<SECTION>_<KEY>.
+_KEYS: dict[tuple[str, str], str] = {
+    ("server", "listen"): "listen",
+    ("server", "max_message_bytes"): "max_message_bytes",
+    ("server", "max_record_bytes"): "max_record_bytes",
+    ("server", "max_stream_bytes"): "max_stream_bytes",
+    ("server", "grace_s"): "grace_s",
+    ("tls", "cert"): "tls_cert",
+    ("tls", "key"): "tls_key",
+    ("auth", "tokens"): "tokens",
+    ("metrics", "port"): "metrics_port",
+    ("metrics", "addr"): "metrics_addr",
+    ("storage", "data_dir"): "data_dir",
+    ("storage", "host_budget_bytes"): "host_budget_bytes",
+    ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
+    ("storage", "redis_url"): "redis_url",
+    ("storage", "redis_prefix"): "redis_prefix",
+    ("engine", "preset"): "engine_preset",
+    ("engine", "seed"): "engine_seed",
+    ("sessions", "block_size"): "block_size",
+    ("sessions", "durability"): "durability",
+    ("sessions", "default_mode"): "default_mode",
+    ("sessions", "keep_rings_ttl_s"): "keep_rings_ttl_s",
+}
+_SHORT_ENV = {"STATESTORE_LISTEN": "listen", "STATESTORE_DATA_DIR": "data_dir", "STATESTORE_TOKENS": "tokens"}
+_TYPES = {f.name: f.type for f in fields(ServiceConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert a TOML or environment value to the field's type; ConfigError naming the source."""
+    kind = _TYPES[name]
+    try:
+        if name == "tokens":
+            if isinstance(value, str):
+                pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+                if any(len(p) != 2 for p in pairs):
+                    raise ValueError("expected tenant=token[,tenant=token...]")
+                value = {t.strip(): tok.strip() for t, tok in pairs}
+            if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+                raise ValueError("expected a table of tenant = \"token\"")
+            return dict(value)
+        if kind == "int":
+            if isinstance(value, bool) or (not isinstance(value, (int, str))):
+                raise ValueError("expected an integer")
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            return float(value)
+        if "Path" in kind:
+            if not isinstance(value, str):
+                raise ValueError("expected a path string")
+            return None if value == "" and "None" in kind else Path(value).expanduser()
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+    except ValueError as exc:
+        raise ConfigError(f"config {name} from {source}: {value!r}: {exc}") from None
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
+    """The embedded default, updated by the TOML file at `path` (if any), then by `env`."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(_from_toml(Path(path)))
+    for (section, key), name in _KEYS.items():
+        var = f"STATESTORE_{section.upper()}_{key.upper()}"
+        if var in env:
+            values[name] = _coerce(name, env[var], var)
+    for var, name in _SHORT_ENV.items():
+        if var in env:
+            values[name] = _coerce(name, env[var], var)
+    try:
+        return ServiceConfig(**values)
+    except TypeError as exc:  # a value of the wrong type reached a comparison
+        raise ConfigError(f"config: {exc}") from None
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
+        for key, value in table.items():
+            name = _KEYS.get((section, key))
+            if name is None:
+                known = ", ".join(sorted(f"{s}.{k}" for s, k in _KEYS))
+                raise ConfigError(f"config file {path}: unknown setting {section}.{key}; known: {known}")
+            values[name] = _coerce(name, value, f"{path} [{section}] {key}")
+    return values

@@ -1,0 +1,776 @@
+"""The gRPC service: a thin translator from `statestore.v1` messages to `TieredStore` and
+`SessionManager` calls, and from their outcomes to status codes (DESIGN.md §6).
+
+Every handler goes through `_handler`, which resolves the caller's tenant from its bearer
+token, validates nothing itself but maps what the layers below raise::
+
+    ValueError / RecordError / _BadField   INVALID_ARGUMENT   (the message names the field)
+    NotFound, SessionNotFound              NOT_FOUND
+    SessionExists                          ALREADY_EXISTS
+    ModelMismatch, _Precondition,
+    CheckpointIncomplete,
+    DurabilityUnavailable (tier absent)    FAILED_PRECONDITION
+    BudgetExceeded                         RESOURCE_EXHAUSTED (the message gives the budget)
+    AuthError, _Denied                     PERMISSION_DENIED
+    DurabilityUnavailable (tier down)      UNAVAILABLE        (the service itself cannot serve it)
+    anything else                          INTERNAL, logged with the traceback; the server keeps serving
+
+Nothing is stored before the whole request is verified: a PutRecords stream is reassembled
+and every record's checksums, key, kind, model and tenant are checked before the first put,
+so a malformed or interrupted stream leaves stored state unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_adapter.base import Retention, StateKind
+from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
+from replay import plan_replay
+from statestore import sessions as ss
+from statestore.auth import AuthError, TokenAuth
+from statestore.config import ServiceConfig
+from statestore.keys import make_model_fingerprint, tenant_id
+from statestore.metrics import ServiceMetrics, kind_name
+from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
+from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, StateMeta, TierName
+from tiers.record import (
+    HEADER_SIZE,
+    RECORD_KEY_BYTES,
+    TENANT_BYTES,
+    Record,
+    RecordError,
+    decode_record,
+    encode_record,
+    make_record_key,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAMES = ("statestore.v1.StateStore", "statestore.v1.Sessions")
+MAX_KEYS = 65536
+MAX_GET_KEYS = 4096
+MAX_APPEND_TOKENS = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+_OFFLOAD_BYTES = 1 << 20  # verify records this large off the event loop
+_CHUNK_HEADROOM = 4096  # message framing beside a data chunk
+T = TypeVar("T")
+
+
+class _BadField(ValueError):
+    """INVALID_ARGUMENT naming the request field."""
+
+
+class _NotFound(LookupError):
+    """NOT_FOUND."""
+
+
+class _Precondition(Exception):
+    """FAILED_PRECONDITION."""
+
+
+class _Denied(Exception):
+    """PERMISSION_DENIED."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a failure maps to (None: unexpected, i.e. INTERNAL)."""
+    table: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
+        ((AuthError, _Denied), grpc.StatusCode.PERMISSION_DENIED),
+        ((_NotFound, ss.SessionNotFound), grpc.StatusCode.NOT_FOUND),
+        (ss.SessionExists, grpc.StatusCode.ALREADY_EXISTS),
+        ((ss.ModelMismatch, ss.CheckpointIncomplete, _Precondition), grpc.StatusCode.FAILED_PRECONDITION),
+        (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # RecordError and _BadField included
+    ]
+    if isinstance(exc, DurabilityUnavailable):
+        code = grpc.StatusCode.FAILED_PRECONDITION if exc.tier is None else grpc.StatusCode.UNAVAILABLE
+        return code, str(exc)
+    for types, code in table:
+        if isinstance(exc, types):
+            return code, str(exc)
+    return None
+
+
+class _Calls:
+    """Tenant resolution, error mapping and per-call metrics shared by both servicers."""
+
+    def __init__(self, auth: TokenAuth, metrics: ServiceMetrics) -> None:
+        self.auth = auth
+        self.metrics = metrics
+
+    def tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return self.auth.tenant_for(context.invocation_metadata())
+
+    async def fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        mapped = status_for(exc)
+        if mapped is None:
+            logger.error("%s failed unexpectedly", method, exc_info=exc)
+            mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}; see the server log")
+        self.metrics.calls.labels(method, mapped[0].name).inc()
+        await context.abort(mapped[0], mapped[1])
+
+
+def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Wrap `fn(self, request, context, tenant)` as a unary (or client-streaming) handler."""
+    method = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            result = await fn(self, request, context, self._calls.tenant(context))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the service boundary: map, never crash
+            await self._calls.fail(method, exc, context)
+            raise AssertionError("unreachable: abort raises") from exc
+        self._calls.metrics.calls.labels(method, "OK").inc()
+        return result
+
+    return handler
+
+
+def _streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """Wrap an async-generator handler `fn(self, request, context, tenant)`."""
+    method = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        try:
+            async for item in fn(self, request, context, self._calls.tenant(context)):
+                yield item
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the service boundary
+            await self._calls.fail(method, exc, context)
+            return
+        self._calls.metrics.calls.labels(method, "OK").inc()
+
+    return handler
+
+
+# ----- conversions --------------------------------------------------------------------------
+
+
+def _record_key(value: bytes, field: str) -> bytes:
+    if len(value) != RECORD_KEY_BYTES:
+        raise _BadField(f"{field}: a record key is {RECORD_KEY_BYTES} bytes (2-byte kind + 32-byte block key), "
+                        f"got {len(value)}")
+    return bytes(value)
+
+
+def _keys(values: Sequence[bytes], field: str, limit: int = MAX_KEYS) -> list[bytes]:
+    if not values:
+        raise _BadField(f"{field}: give at least one record key")
+    if len(values) > limit:
+        raise _BadField(f"{field}: {len(values)} keys, at most {limit} per call")
+    return [_record_key(v, f"{field}[{i}]") for i, v in enumerate(values)]
+
+
+def _durability(value: int, field: str, default: Durability) -> Durability:
+    if value == common_pb2.DURABILITY_UNSPECIFIED:
+        return default
+    try:
+        return Durability(value)
+    except ValueError:
+        raise _BadField(f"{field}: unknown durability {value}; use MEMORY, LOCAL or SHARED") from None
+
+
+def _tier_bytes(mapping: dict[str, int]) -> list[common_pb2.TierBytes]:
+    order = [t.value for t in TIER_ORDER]
+    return [common_pb2.TierBytes(tier=t, bytes=int(b))
+            for t, b in sorted(mapping.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)]
+
+
+def _record_info(meta: StateMeta) -> common_pb2.RecordInfo:
+    return common_pb2.RecordInfo(
+        key=meta.key, kind=meta.kind, kind_name=kind_name(meta.kind), size_bytes=meta.size_bytes,
+        tiers=[common_pb2.TierBytes(tier=t.value, bytes=n) for t, n in meta.resident], pinned=meta.pinned,
+        durability=int(meta.durability), created_at=meta.created, last_access=meta.last_access,
+        access_count=meta.access_count, model_fingerprint=meta.model_fingerprint)
+
+
+def _replay_info(plan: Any) -> common_pb2.ReplayPlanInfo:
+    return common_pb2.ReplayPlanInfo(mode=plan.mode, num_tokens=plan.num_tokens,
+                                     persisted_tokens=plan.persisted_tokens, replay_tokens=plan.replay_tokens,
+                                     row_layers=plan.row_layers, est_seconds=plan.est_seconds)
+
+
+def _session_info(info: ss.SessionInfo) -> sessions_pb2.SessionInfo:
+    return sessions_pb2.SessionInfo(session_id=info.session_id, num_tokens=info.num_tokens, live=info.live,
+                                    checkpoint_version=info.checkpoint_version or 0,
+                                    checkpointed_tokens=info.checkpointed_tokens or 0,
+                                    message_boundaries=list(info.message_boundaries))
+
+
+# ----- StateStore ----------------------------------------------------------------------------
+
+
+class _Reassembler:
+    """Collects the start + data messages of a PutRecords stream into whole encoded records."""
+
+    def __init__(self, max_record_bytes: int, max_stream_bytes: int) -> None:
+        self._max_record, self._max_stream = max_record_bytes, max_stream_bytes
+        self.done: list[tuple[common_pb2.RecordStart, bytes]] = []
+        self._start: common_pb2.RecordStart | None = None
+        self._buf = bytearray()
+        self._total = 0
+
+    def feed(self, chunk: common_pb2.RecordChunk) -> None:
+        part = chunk.WhichOneof("part")
+        where = f"record {len(self.done)}"
+        if part == "start":
+            self._finish()
+            start = chunk.start
+            _record_key(start.key, f"{where}: start.key")
+            if not HEADER_SIZE <= start.total_bytes <= self._max_record:
+                raise _BadField(f"{where}: start.total_bytes {start.total_bytes} outside [{HEADER_SIZE}, "
+                                f"{self._max_record}] (header size .. the server's max_record_bytes)")
+            self._total += start.total_bytes
+            if self._total > self._max_stream:
+                raise _BadField(f"{where}: the stream's records exceed max_stream_bytes {self._max_stream}; "
+                                f"send them in several PutRecords calls")
+            self._start = start
+        elif part == "data":
+            if self._start is None:
+                raise _BadField(f"{where}: a data chunk came before its start message")
+            if len(self._buf) + len(chunk.data) > self._start.total_bytes:
+                raise _BadField(f"{where}: data exceeds start.total_bytes {self._start.total_bytes}")
+            self._buf += chunk.data
+        else:
+            raise _BadField(f"{where}: an empty RecordChunk (set start or data)")
+
+    def _finish(self) -> None:
+        if self._start is None:
+            return
+        if len(self._buf) != self._start.total_bytes:
+            raise _BadField(f"record {len(self.done)}: stream ended after {len(self._buf)} of "
+                            f"start.total_bytes {self._start.total_bytes} bytes")
+        self.done.append((self._start, bytes(self._buf)))
+        self._start, self._buf = None, bytearray()
+
+    def records(self) -> list[tuple[common_pb2.RecordStart, bytes]]:
+        self._finish()
+        if not self.done:
+            raise _BadField("PutRecords: the stream carried no records")
+        return self.done
+
+
+class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
+    """`statestore.v1.StateStore` over a `TieredStore`."""
+
+    def __init__(self, owner: StateStoreServer) -> None:
+        self._owner = owner
+        self._calls = owner.calls
+
+    @property
+    def _store(self) -> TieredStore:
+        return self._owner.store
+
+    def _owned(self, key: bytes, tenant: str) -> StateMeta | None:
+        """The index entry of `key` if it is the caller's, else None (another tenant's is a miss)."""
+        meta = self._store.meta(key)
+        return meta if meta is not None and meta.tenant_id == tenant_id(tenant) else None
+
+    @_unary
+    async def RegisterModel(self, request: Any, context: Any, tenant: str) -> Any:
+        if not request.specs:
+            raise _BadField("specs: describe at least one state kind")
+        if request.layout_version < 1:
+            raise _BadField("layout_version: must be >= 1")
+        codecs: dict[int, int] = {}
+        for i, spec in enumerate(request.specs):
+            if spec.kind not in {int(k) for k in StateKind}:
+                raise _BadField(f"specs[{i}].kind: unknown kind {spec.kind}; known: "
+                                f"{', '.join(f'{int(k)} {k.name}' for k in StateKind)}")
+            if spec.retention not in {int(r) for r in Retention}:
+                raise _BadField(f"specs[{i}].retention: unknown retention {spec.retention} (1, 2 or 3)")
+            if not 0 <= spec.codec <= 0xFFFF:
+                raise _BadField(f"specs[{i}].codec: {spec.codec} outside 0..65535")
+            codecs[spec.kind] = spec.codec
+        try:
+            config = json.loads(request.config_json or "{}")
+        except ValueError as exc:
+            raise _BadField(f"config_json: not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise _BadField("config_json: must be a JSON object")
+        fingerprint = make_model_fingerprint(config, codecs, request.layout_version, request.weights_id or "unnamed")
+        self._owner.models.add(fingerprint)
+        return statestore_pb2.RegisterModelResponse(model_fingerprint=fingerprint,
+                                                    hosted=fingerprint == self._owner.adapter.model_fingerprint)
+
+    @_unary
+    async def Lookup(self, request: Any, context: Any, tenant: str) -> Any:
+        owner = self._owner
+        block_size = request.block_size or owner.config.block_size
+        if len(request.block_keys) > MAX_KEYS:
+            raise _BadField(f"block_keys: {len(request.block_keys)} keys, at most {MAX_KEYS}")
+        for i, k in enumerate(request.block_keys):
+            if len(k) != 32:
+                raise _BadField(f"block_keys[{i}]: a block key is 32 bytes, got {len(k)}")
+        kinds = list(request.kinds) or [int(StateKind.GLOBAL_KV), int(StateKind.INDEX_K)]
+        for i, kind in enumerate(kinds):
+            if kind not in {int(k) for k in StateKind}:
+                raise _BadField(f"kinds[{i}]: unknown kind {kind}")
+        chain_tokens = len(request.block_keys) * block_size
+        num_tokens = request.num_tokens or chain_tokens
+        if num_tokens < chain_tokens or num_tokens > 1 << 40:
+            raise _BadField(f"num_tokens: {num_tokens} must lie in [{chain_tokens} (the chain's tokens), 2^40]")
+        if request.mode and request.mode not in ss.REPLAY_MODES:
+            raise _BadField(f"mode: {request.mode!r} is not one of {', '.join(ss.REPLAY_MODES)}")
+        if request.model_fingerprint and len(request.model_fingerprint) != 16:
+            raise _BadField(f"model_fingerprint: 16 bytes, got {len(request.model_fingerprint)}")
+        keys = [make_record_key(kind, bk) for bk in request.block_keys for kind in kinds]
+        result = await self._store.lookup(keys)
+        tid = tenant_id(tenant)
+
+        def mine(n_keys: int) -> int:  # blocks of the prefix that are not another tenant's
+            for i in range(n_keys):
+                meta = self._store.meta(keys[i])
+                if meta is not None and meta.tenant_id != tid:
+                    return i // len(kinds)
+            return n_keys // len(kinds)
+
+        blocks = mine(result.combined)
+        loaded: dict[str, int] = {}
+        for key in keys[: blocks * len(kinds)]:
+            meta = self._store.meta(key)
+            tier = next((t for t in TIER_ORDER if meta is not None and t in meta.tiers), TierName.REDIS)
+            loaded[tier.value] = loaded.get(tier.value, 0) + (meta.size_bytes if meta else 0)
+        est_load = sum(DEFAULT_TIER_PROFILES[TierName(t)].latency_s
+                       + b / DEFAULT_TIER_PROFILES[TierName(t)].bandwidth_bytes_per_s for t, b in loaded.items())
+        persisted = min(blocks * block_size, num_tokens)
+        response = statestore_pb2.LookupResponse(
+            combined_blocks=blocks, per_tier=[statestore_pb2.TierBlocks(tier=t.value, blocks=mine(n))
+                                              for t, n in result.per_tier.items()],
+            bytes_to_load=_tier_bytes(loaded), persisted_tokens=persisted, est_load_seconds=est_load,
+            est_seconds=est_load)
+        hosted = owner.adapter.model_fingerprint
+        if request.model_fingerprint in (b"", hosted) and block_size % owner.adapter.token_alignment == 0:
+            plan = plan_replay(owner.adapter.replay_geometry(), owner.adapter.costs(),
+                               request.mode or owner.config.default_mode, num_tokens, persisted)
+            response.replay.CopyFrom(_replay_info(plan))
+            response.est_seconds = est_load + plan.est_seconds
+        return response
+
+    @_unary
+    async def PutRecords(self, request_iterator: Any, context: Any, tenant: str) -> Any:
+        owner = self._owner
+        assembler = _Reassembler(owner.config.max_record_bytes, owner.config.max_stream_bytes)
+        async for chunk in request_iterator:
+            assembler.feed(chunk)
+        parts = assembler.records()
+        verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
+        results = []
+        for i, (record, start) in enumerate(verified):
+            durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
+            try:
+                put = await self._store.put(record, durability, pin=start.pin)
+            except (BudgetExceeded, DurabilityUnavailable) as exc:
+                if i:
+                    exc.args = (f"{exc} ({i} earlier record(s) of this stream were stored)",)
+                raise
+            owner.calls.metrics.bytes_moved.labels("in").inc(len(parts[i][1]))
+            results.append(statestore_pb2.PutResultInfo(key=put.key, durability=int(put.durability),
+                                                        tiers=sorted(t.value for t in put.tiers),
+                                                        evicted=len(put.evicted)))
+        return statestore_pb2.PutRecordsResponse(results=results)
+
+    async def _verify(self, i: int, start: common_pb2.RecordStart, buf: bytes,
+                      tenant: str) -> tuple[Record, common_pb2.RecordStart]:
+        """Checksums, key, kind, model and tenant of one record; re-stamped with the caller's tenant."""
+        _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
+        try:
+            if len(buf) >= _OFFLOAD_BYTES:
+                record = await asyncio.to_thread(decode_record, buf, expect_key=start.key)
+            else:
+                record = decode_record(buf, expect_key=start.key)
+        except RecordError as exc:
+            raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
+        h = record.header
+        if h.kind not in {int(k) for k in StateKind}:
+            raise _BadField(f"record {i}: unknown kind {h.kind}; known: "
+                            f"{', '.join(f'{int(k)} {k.name}' for k in StateKind)}")
+        if h.model_fingerprint not in self._owner.models:
+            raise _Precondition(f"record {i}: model fingerprint {h.model_fingerprint.hex()} is not registered "
+                                f"on this server: call RegisterModel first (hosted model: "
+                                f"{self._owner.adapter.model_fingerprint.hex()})")
+        tid = tenant_id(tenant)
+        if h.tenant_id not in (bytes(TENANT_BYTES), tid):
+            raise _Denied(f"record {i}: its header names another tenant; leave tenant_id zero (the server "
+                          f"stamps the caller's tenant)")
+        existing = self._store.meta(record.key)
+        if existing is not None and existing.tenant_id != tid:
+            raise _Denied(f"record {i}: key {record.key.hex()} belongs to another tenant")
+        header = replace(h, tenant_id=tid, stored_length=0, flags=0)
+        return Record(header, record.payload), start
+
+    @_streaming
+    async def GetRecords(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:
+        keys = _keys(request.keys, "keys", MAX_GET_KEYS)
+        limit = self._owner.config.max_message_bytes - _CHUNK_HEADROOM
+        chunk = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, limit)
+        if chunk < 1024:
+            raise _BadField(f"chunk_bytes: {request.chunk_bytes} < 1024")
+        tid = tenant_id(tenant)
+        for key in keys:
+            record = await self._store.get(key, expect_tenant=tid)
+            if record is None:
+                yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
+                continue
+            data = encode_record(record) if record.nbytes < _OFFLOAD_BYTES else \
+                await asyncio.to_thread(encode_record, record)
+            yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=len(data), found=True))
+            view = memoryview(data)
+            for offset in range(0, len(data), chunk):
+                yield common_pb2.RecordChunk(data=bytes(view[offset:offset + chunk]))
+            self._calls.metrics.bytes_moved.labels("out").inc(len(data))
+
+    async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
+        keys = _keys(request.keys, "keys")
+        metas = [self._owned(k, tenant) for k in keys]
+        missing = [k.hex() for k, m in zip(keys, metas) if m is None]
+        if missing:
+            raise _NotFound(f"{len(missing)} of {len(keys)} keys are not stored on this node (first: {missing[0]}); "
+                            f"nothing was changed")
+        changed = sum(1 for m in metas if m is not None and m.pinned != pinned)
+        for key in keys:
+            (self._store.pin if pinned else self._store.unpin)(key)
+        return statestore_pb2.KeysResponse(changed=changed)
+
+    @_unary
+    async def Pin(self, request: Any, context: Any, tenant: str) -> Any:
+        return await self._set_pins(request, tenant, True)
+
+    @_unary
+    async def Unpin(self, request: Any, context: Any, tenant: str) -> Any:
+        return await self._set_pins(request, tenant, False)
+
+    @_unary
+    async def Evict(self, request: Any, context: Any, tenant: str) -> Any:
+        keys = _keys(request.keys, "keys")
+        tiers: list[TierName] = []
+        for i, name in enumerate(request.tiers):
+            try:
+                tiers.append(TierName(name))
+            except ValueError:
+                raise _BadField(f"tiers[{i}]: unknown tier {name!r}; use host, ssd or redis") from None
+        out = []
+        for key in keys:
+            removed: frozenset[TierName] = frozenset()
+            if self._owned(key, tenant) is not None:  # another tenant's key: nothing, silently
+                removed = await self._store.evict(key, tiers or None, force=request.force)
+            out.append(statestore_pb2.EvictedInfo(key=key, tiers=sorted(t.value for t in removed)))
+        return statestore_pb2.EvictResponse(evicted=out)
+
+    @_unary
+    async def Stats(self, request: Any, context: Any, tenant: str) -> Any:
+        owner = self._owner
+        response = statestore_pb2.StatsResponse(num_records=len(self._store), live_sessions=owner.live_sessions(),
+                                                model_fingerprint=owner.adapter.model_fingerprint,
+                                                model_name=owner.adapter.model_name,
+                                                uptime_seconds=time.monotonic() - owner.started_at)
+        for name, ts in self._store.stats().items():
+            response.tiers.append(statestore_pb2.TierStatsInfo(tier=name.value, budget_bytes=ts.budget_bytes,
+                                                               resident_bytes=ts.resident_bytes, fill=ts.fill,
+                                                               healthy=ts.healthy))
+            for kind, ks in ts.by_kind.items():
+                response.kinds.append(statestore_pb2.KindStatsInfo(
+                    tier=name.value, kind=kind, kind_name=kind_name(kind), num_records=ks.num_records,
+                    resident_bytes=ks.resident_bytes, hits=ks.hits, misses=ks.misses, evictions=ks.evictions,
+                    promotions=ks.promotions))
+        return response
+
+    @_unary
+    async def List(self, request: Any, context: Any, tenant: str) -> Any:
+        limit = request.limit or 1000
+        if limit > 100_000:
+            raise _BadField(f"limit: {limit} > 100000")
+        tid = tenant_id(tenant)
+        metas = [m for k in self._store.keys() if (m := self._store.meta(k)) is not None
+                 and m.tenant_id == tid and (not request.kind or m.kind == request.kind)]
+        metas.sort(key=lambda m: m.created)
+        return statestore_pb2.ListResponse(records=[_record_info(m) for m in metas[:limit]],
+                                           truncated=len(metas) > limit)
+
+    @_unary
+    async def Inspect(self, request: Any, context: Any, tenant: str) -> Any:
+        key = _record_key(request.key, "key")
+        meta = self._owned(key, tenant)
+        if meta is None:
+            raise _NotFound(f"record {key.hex()} is not stored on this node")
+        return _record_info(meta)
+
+
+# ----- Sessions ----------------------------------------------------------------------------
+
+
+class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
+    """`statestore.v1.Sessions` over a `SessionManager`."""
+
+    def __init__(self, owner: StateStoreServer) -> None:
+        self._owner = owner
+        self._calls = owner.calls
+
+    @property
+    def _sessions(self) -> ss.SessionManager:
+        return self._owner.sessions
+
+    @_unary
+    async def Create(self, request: Any, context: Any, tenant: str) -> Any:
+        return _session_info(await self._sessions.create(tenant, request.session_id))
+
+    @_unary
+    async def Append(self, request: Any, context: Any, tenant: str) -> Any:
+        n = len(request.token_ids)
+        if not 1 <= n <= MAX_APPEND_TOKENS:
+            raise _BadField(f"token_ids: {n} ids, give 1..{MAX_APPEND_TOKENS} per Append")
+        vocab = self._owner.adapter.config.vocab_size
+        bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _BadField(f"token_ids: id {bad} outside the model's vocabulary [0, {vocab})")
+        return _session_info(await self._sessions.append(tenant, request.session_id, list(request.token_ids)))
+
+    @_streaming
+    async def Generate(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:
+        total = request.num_tokens
+        if not 1 <= total <= 1 << 16:
+            raise _BadField(f"num_tokens: {total} outside [1, 65536]")
+        if not 0.0 <= request.temperature <= 100.0:
+            raise _BadField(f"temperature: {request.temperature} outside [0, 100]")
+        step = request.chunk_tokens or 16
+        if step > 1 << 16:
+            raise _BadField(f"chunk_tokens: {step} > 65536")
+        done = 0
+        while done < total:
+            n = min(step, total - done)
+            seed = request.seed + done if request.temperature > 0 else None
+            tokens = await self._sessions.generate(tenant, request.session_id, n, request.temperature, seed)
+            done += n
+            yield sessions_pb2.GenerateChunk(token_ids=tokens)
+
+    @_unary
+    async def Checkpoint(self, request: Any, context: Any, tenant: str) -> Any:
+        durability = _durability(request.durability, "durability",
+                                 Durability[self._owner.config.durability.upper()])
+        report = await self._sessions.checkpoint(tenant, request.session_id, durability)
+        return sessions_pb2.CheckpointInfo(version=report.version, num_tokens=report.num_tokens,
+                                           new_blocks=report.new_blocks, shared_blocks=report.shared_blocks,
+                                           bytes_written=report.bytes_written, total_bytes=report.total_bytes,
+                                           seconds=report.seconds)
+
+    def _check_mode(self, mode: str) -> str | None:
+        if mode and mode not in ss.REPLAY_MODES:
+            raise _BadField(f"mode: {mode!r} is not one of {', '.join(ss.REPLAY_MODES)}")
+        return mode or None
+
+    @_unary
+    async def Resume(self, request: Any, context: Any, tenant: str) -> Any:
+        mode = self._check_mode(request.mode)
+        info = await self._sessions.get(tenant, request.session_id)
+        if info.live:
+            raise _Precondition(f"session {request.session_id!r} is already active on this node; Drop it first "
+                                f"to resume from its checkpoint")
+        report = await self._sessions.resume(tenant, request.session_id, mode)
+        metrics = self._calls.metrics
+        metrics.replay_tokens.labels(report.mode).inc(report.replay_tokens)
+        metrics.resume_seconds.labels(report.mode).observe(report.seconds)
+        return sessions_pb2.ResumeInfo(mode=report.mode, num_tokens=report.num_tokens,
+                                       persisted_tokens=report.persisted_tokens, bytes_loaded=report.bytes_loaded,
+                                       replay_tokens=report.replay_tokens, row_layers=report.row_layers,
+                                       load_seconds=report.load_seconds, replay_seconds=report.replay_seconds)
+
+    @_unary
+    async def PlanResume(self, request: Any, context: Any, tenant: str) -> Any:
+        plan = await self._sessions.plan_resume(tenant, request.session_id, self._check_mode(request.mode))
+        return sessions_pb2.ResumePlanInfo(
+            session_id=plan.session_id, num_tokens=plan.num_tokens, bytes_by_tier=_tier_bytes(plan.bytes_by_tier),
+            missing_blocks=plan.missing_blocks, rings_available=plan.rings_available,
+            replay=_replay_info(plan.replay), est_load_seconds=plan.est_load_seconds, est_seconds=plan.est_seconds)
+
+    @_unary
+    async def Get(self, request: Any, context: Any, tenant: str) -> Any:
+        return _session_info(await self._sessions.get(tenant, request.session_id))
+
+    @_unary
+    async def List(self, request: Any, context: Any, tenant: str) -> Any:
+        return sessions_pb2.ListSessionsResponse(sessions=[_session_info(i) for i in await self._sessions.list(tenant)])
+
+    @_unary
+    async def Delete(self, request: Any, context: Any, tenant: str) -> Any:
+        return sessions_pb2.DeleteInfo(done=await self._sessions.delete(tenant, request.session_id))
+
+    @_unary
+    async def Drop(self, request: Any, context: Any, tenant: str) -> Any:
+        self._sessions.check_session_id(request.session_id)
+        if not await self._sessions.drop(tenant, request.session_id):
+            raise _NotFound(f"session {request.session_id!r} is not active on this node")
+        return sessions_pb2.DeleteInfo(done=True)
+
+
+# ----- the server ----------------------------------------------------------------------------
+
+
+def load_secret(path: Path) -> bytes:
+    """The service secret (tenant key salts derive from it), created once per data dir (0600).
+
+    It must survive restarts: block keys and session manifests are found again only with it.
+    """
+    try:
+        secret = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        secret = path.read_bytes()
+    if not 16 <= len(secret) <= 64:
+        raise ValueError(f"service secret {path} must hold 16..64 bytes, has {len(secret)}")
+    return secret
+
+
+def build_adapter(preset: str, seed: int) -> Any:
+    """The bundled CED engine behind its adapter (torch: call off the event loop)."""
+    from engine_adapter.ced import CEDEngine, get_preset
+    from engine_adapter.ced.adapter import CEDAdapter
+
+    return CEDAdapter(CEDEngine(get_preset(preset), seed=seed))
+
+
+class StateStoreServer:
+    """The service in one object: store, sessions, engine, gRPC server, health, metrics.
+
+    `await start()` opens the tiers, builds the engine, binds (`port` tells where) and marks
+    health SERVING; `await stop(grace)` marks NOT_SERVING, lets in-flight calls (checkpoints)
+    finish within `grace` seconds, then closes the sessions and the tiers.
+    """
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.port = 0
+        self.started_at = time.monotonic()
+        self.models: set[bytes] = set()
+        self.store: TieredStore
+        self.sessions: ss.SessionManager
+        self.adapter: Any = None
+        self.metrics = ServiceMetrics(lambda: self.store.stats())
+        self.calls = _Calls(TokenAuth(config.tokens), self.metrics)
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stopped = asyncio.Event()
+
+    def live_sessions(self) -> int:
+        return len(getattr(self.sessions, "_live", {}))
+
+    async def _open_store(self) -> TieredStore:
+        from tiers.host import HostTier
+        from tiers.ssd import SSDTier
+
+        c = self.config
+        specs = self.adapter.state_specs()
+        host = HostTier(c.host_budget_bytes, make_page_sizes(specs, c.block_size))
+        ssd = await SSDTier.create(c.ssd_dir, budget_bytes=c.ssd_budget_bytes)
+        redis = None
+        if c.redis_url:
+            from tiers.redis import RedisTier
+
+            redis = RedisTier(c.redis_url, prefix=c.redis_prefix)
+        retention = {int(s.kind): s.retention for s in specs}
+        store = TieredStore(host=host, ssd=ssd, redis=redis, config=StoreConfig(retention_by_kind=retention))
+        report = await store.open()
+        for tier, reasons in report.discarded.items():
+            for reason in reasons:
+                logger.warning("%s scan discarded %s", tier.value, reason)
+        return store
+
+    async def start(self) -> int:
+        c = self.config
+        secret = await asyncio.to_thread(load_secret, c.data_dir / "secret")
+        self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
+        self.models.add(self.adapter.model_fingerprint)
+        self.store = await self._open_store()
+        self.sessions = ss.SessionManager(self.store, self.adapter, ss.SessionConfig(
+            secret=secret, block_size=c.block_size, durability=Durability[c.durability.upper()],
+            default_mode=c.default_mode, keep_rings_ttl_s=c.keep_rings_ttl_s or None))
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", c.max_message_bytes),
+                                          ("grpc.max_send_message_length", c.max_message_bytes),
+                                          ("grpc.so_reuseport", 0)])
+        statestore_pb2_grpc.add_StateStoreServicer_to_server(StateStoreServicer(self), server)
+        sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if c.tls_cert is not None and c.tls_key is not None:
+            creds = grpc.ssl_server_credentials([(c.tls_key.read_bytes(), c.tls_cert.read_bytes())])
+            self.port = server.add_secure_port(c.listen, creds)
+        else:
+            self.port = server.add_insecure_port(c.listen)
+        if not self.port:
+            raise OSError(f"cannot bind {c.listen}")
+        await server.start()
+        self._server = server
+        self.started_at = time.monotonic()
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if c.metrics_port:
+            self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
+        logger.info("statestore serving on %s (port %d), engine %s", c.listen, self.port, self.adapter.model_name)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Idempotent graceful stop."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self.config.grace_s if grace is None else grace)
+        await self.sessions.aclose()
+        await self.store.aclose()
+        self.metrics.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> StateStoreServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(0)
+
+
+async def serve(config: ServiceConfig, ready: Callable[[StateStoreServer], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING, in-flight calls finish)."""
+    server = StateStoreServer(config)
+    await server.start()
+    if ready is not None:
+        ready(server)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop()
