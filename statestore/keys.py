@@ -21,12 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from engine_adapter.fingerprint import make_model_fingerprint
 from tiers.record import (
     FINGERPRINT_BYTES,
     KEY_BYTES,
@@ -52,14 +51,12 @@ MIN_SALT_BYTES = 16
 MAX_SALT_BYTES = 64  # BLAKE2b key limit
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
-FINGERPRINT_SCHEME = 1  # bump when the canonical form below changes
 
 # BLAKE2b personalisation strings (<= 16 bytes): one domain per kind of hash, so a block key
 # can never equal a salt, a tenant id or a fingerprint computed from the same bytes.
 _PERSON_BLOCK = b"ss.block-key.v1"
 _PERSON_SALT = b"ss.tenant-salt1"
 _PERSON_TENANT = b"ss.tenant-id.v1"
-_PERSON_MODEL = b"ss.model-fp.v1"
 _ROOT_MARK = b"\x00" + bytes(KEY_BYTES)  # "no parent", distinct from any "parent" marker
 
 
@@ -169,53 +166,6 @@ def check_block_size(block_size: int, compression_ratios: Iterable[int]) -> None
         if r > 0 and block_size % r:
             raise ValueError(f"block size {block_size} is not a multiple of compression ratio {r} "
                              f"(ratios {sorted(set(ratios))}); pick a multiple of every ratio")
-
-
-def _canonical(value: Any) -> Any:
-    """JSON-ready form with a single spelling per value (mapping keys sorted as strings)."""
-    if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if isinstance(value, (bytes, bytearray)):
-        return {"hex": bytes(value).hex()}
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return int(value)  # IntEnum and numpy ints spell as plain ints
-    if isinstance(value, float):
-        return float(value)
-    raise TypeError(f"model config value {value!r} ({type(value).__name__}) has no canonical JSON form")
-
-
-def make_model_fingerprint(
-    config: Mapping[str, Any],
-    codec_ids: Mapping[int, int] | Sequence[int],
-    layout_version: int,
-    weights_id: str | bytes,
-) -> bytes:
-    """16 bytes identifying what state means: weights, config, codecs and layout version.
-
-    Computed over canonical JSON (sorted keys, no whitespace, NaN refused), so two processes
-    or two machines agree; any change to any input changes the fingerprint.
-
-    Args:
-        config: the model's architecture config (plain JSON-able values).
-        codec_ids: kind code -> codec code, or the codec codes in kind order.
-        layout_version: the engine's page/record layout version.
-        weights_id: identity of the weights (a checksum or a release name).
-    """
-    codecs = ([[int(k), int(v)] for k, v in sorted(codec_ids.items())] if isinstance(codec_ids, Mapping)
-              else [int(c) for c in codec_ids])
-    doc = {
-        "scheme": FINGERPRINT_SCHEME,
-        "config": _canonical(config),
-        "codecs": codecs,
-        "layout_version": int(layout_version),
-        "weights_id": _canonical(weights_id),
-    }
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return hashlib.blake2b(text.encode("ascii"), digest_size=FINGERPRINT_BYTES, person=_PERSON_MODEL).digest()
 
 
 def tenant_id(tenant: str) -> bytes:

@@ -225,10 +225,3 @@ def test_v41_ratios() -> None:
     check_block_size(256, ratios)
     with pytest.raises(ValueError, match=r"block size 255 is not a multiple of compression ratio 2 \(ratios \[0, 1, 2\]\)"):
         check_block_size(255, ratios)
-
-
-def test_fingerprint_agrees_with_the_engine_adapters_copy() -> None:
-    # engine_adapter cannot import statestore, so it carries its own copy; both must agree.
-    engine_fp = pytest.importorskip("engine_adapter.fingerprint")
-    args = (CONFIG, {1: 1, 2: 2}, 3, "weights-abc")
-    assert engine_fp.make_model_fingerprint(*args) == make_model_fingerprint(*args)
