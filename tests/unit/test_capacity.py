@@ -6,18 +6,11 @@ prints the same table and writes bench/results/capacity.json.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-try:
-    from bench import capacity
-except ImportError:  # plain `pytest` (not `python -m pytest`) does not put the repo root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench import capacity
-
+from bench import capacity
 from bench.common import print_table
 
 BUDGET = 64 << 30
