@@ -117,7 +117,10 @@ def replay_rows(
             0 replays the whole stack from tokens.
         published_tokens: global entries exist for tokens [0, P): layers up to the last
             publisher must read every row of [P, T) so new entries (and compressor tails) are
-            published. None means nothing needs publishing beyond what the rows cover.
+            published; in `exact` mode each layer below reads W - 1 more rows than the one
+            above it, so what is published is exact too (matters when T - P outgrows the
+            staircase: a resume whose later blocks are gone). None means nothing needs
+            publishing beyond what the rows cover.
         bounded_rows / slack: the bounded tail length (default max window + slack).
 
     Returns:
@@ -147,6 +150,9 @@ def replay_rows(
     if published_tokens is not None and last is not None:
         must = num_tokens - published_tokens
         rows[: last + 1] = [max(r, must) for r in rows[: last + 1]]
+        if mode == "exact":  # the W - 1 lead-in under each raised layer keeps its inputs exact
+            for i in range(min(last, n_layers - 1) - 1, first_layer - 1, -1):
+                rows[i] = max(rows[i], rows[i + 1] + geometry.windows[i] - 1)
     for i in range(len(rows) - 2, -1, -1):  # non-increasing: a layer reads what the next one needs
         rows[i] = max(rows[i], rows[i + 1])
     if last is not None:
