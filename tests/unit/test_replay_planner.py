@@ -18,6 +18,8 @@ read one row more than its staircase entry:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from engine_adapter.base import EngineCosts, ReplayGeometry
@@ -83,8 +85,9 @@ ROW_CASES: list[tuple[str, ReplayGeometry, str, int, dict[str, int], tuple[int, 
      (58, 50, 44, 36, 30, 22, 15, 8)),
     ("exact T=45 P=44 (clamped to T)", MINI, "exact", 45, {"published_tokens": 44}, (45, 45, 43, 37, 29, 22, 15, 8)),
     ("exact T=1 P=0", MINI, "exact", 1, {"published_tokens": 0}, (1,) * 8),
-    ("exact T=100 P=20 (publishers cover [20, 100))", MINI, "exact", 100, {"published_tokens": 20},
-     (80, 80, 80, 80, 80, 22, 15, 8)),
+    ("exact T=100 P=20: publishers cover [20, 100) with a W-1 lead-in", MINI, "exact", 100,
+     {"published_tokens": 20},
+     (100, 100, 94, 88, 80, 22, 15, 8)),
     ("bounded T=100 P=100: R = W", MINI, "bounded", 100, {"published_tokens": 100}, (8,) * 8),
     ("bounded T=101 P=100: edge 93 -> 92", MINI, "bounded", 101, {"published_tokens": 100}, (9,) * 5 + (8,) * 3),
     ("bounded T=100 P=60", MINI, "bounded", 100, {"published_tokens": 60}, (40,) * 5 + (8,) * 3),
@@ -121,8 +124,11 @@ def test_every_replay_plan_keeps_pairs_whole_and_covers_the_unpublished_tokens(m
     - l <= last publisher: start row T - rows[l] even (ratio-2 pair never split) and
       rows[l] >= T - P (the layer publishes every entry P did not cover; nothing below P is
       published again, since the engine publishes only tokens past P);
-    - exact: rows[l] >= the staircase (clamped to T); bounded: rows above the publishers are
-      exactly min(W, T), and the publishers read at most one row more than max(W, T - P).
+    - exact: rows[l] >= min(T, X[l]), X[l] being the trailing rows whose input to layer l must
+      be exact: X[7] = W (the last token), X[l] = max(X[l + 1] + W - 1, T - P if l <= 4);
+      rows an alignment adds below that are window keys only and need not be exact;
+    - bounded: rows above the publishers are exactly min(W, T), and the publishers read at
+      most one row more than max(W, T - P).
     """
     for t in range(1, 81):
         for p in range(0, t + 1):
@@ -132,7 +138,10 @@ def test_every_replay_plan_keeps_pairs_whole_and_covers_the_unpublished_tokens(m
                 assert (t - rows[layer]) % 2 == 0, (t, p, layer, rows)
                 assert rows[layer] >= t - p, (t, p, layer, rows)
             if mode == "exact":
-                assert all(r >= min(t, s) for r, s in zip(rows, MINI_STAIRCASE)), (t, p, rows)
+                need = [0] * 8
+                for layer in reversed(range(8)):
+                    need[layer] = max(need[layer + 1] + 7 if layer < 7 else 8, t - p if layer <= 4 else 0)
+                assert all(r >= min(t, x) for r, x in zip(rows, need)), (t, p, rows, need)
             else:
                 assert rows[5:] == (min(8, t),) * 3, (t, p, rows)
                 assert all(r <= max(8, t - p) + 1 for r in rows[:5]), (t, p, rows)
@@ -177,7 +186,7 @@ def test_bounded_is_cheaper_than_exact_which_is_cheaper_than_off_on_v41() -> Non
 
 # ----- bad inputs -----------------------------------------------------------------------------
 
-ERROR_CASES: list[tuple[str, object, str]] = [
+ERROR_CASES: list[tuple[str, Callable[[], object], str]] = [
     ("plan mode", lambda: plan_replay(MINI, COSTS, "fast", 10, 10),  # type: ignore[arg-type]
      "replay mode must be one of exact, bounded, off, got 'fast'"),
     ("plan empty", lambda: plan_replay(MINI, COSTS, "exact", 0, 0),
@@ -214,7 +223,7 @@ ERROR_CASES: list[tuple[str, object, str]] = [
 
 
 @pytest.mark.parametrize(("make", "message"), [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
-def test_bad_inputs_raise_value_errors_that_say_what_is_wrong(make, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_raise_value_errors_that_say_what_is_wrong(make: Callable[[], object], message: str) -> None:
     with pytest.raises(ValueError) as info:
         make()
     assert str(info.value) == message
