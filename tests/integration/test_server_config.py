@@ -1,0 +1,99 @@
+"""Service configuration: the embedded default, TOML, STATESTORE_* overrides, clear errors,
+and the proto stubs' freshness (regenerated into a temp dir, compared byte for byte)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from statestore.auth import AuthError, TokenAuth
+from statestore.config import ConfigError, ServiceConfig, default_data_dir, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_embedded_default_needs_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    c = load_config(env={})
+    assert c.listen == "127.0.0.1:7450" and c.host == "127.0.0.1" and c.port == 7450
+    assert c.data_dir == tmp_path / "statestore" == default_data_dir()
+    assert c.redis_url == "" and c.tokens == {} and c.engine_preset == "tiny" and c.metrics_port == 0
+    assert c.tls_cert is None and c.max_message_bytes == 4 << 20
+
+
+def test_toml_then_env_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('[server]\nlisten = "0.0.0.0:9000"\nmax_message_bytes = 1048576\n'
+                    '[auth]\ntokens = { alice = "aaaaaaaa1", bob = "bbbbbbbb2" }\n'
+                    '[storage]\ndata_dir = "~/ss"\nhost_budget_bytes = 1000000\n'
+                    '[engine]\npreset = "mini"\n[metrics]\nport = 9464\n')
+    c = load_config(path, env={"STATESTORE_ENGINE_PRESET": "tiny", "STATESTORE_LISTEN": "127.0.0.1:0",
+                               "STATESTORE_SESSIONS_DEFAULT_MODE": "exact"})
+    assert c.listen == "127.0.0.1:0" and c.max_message_bytes == 1 << 20 and c.engine_preset == "tiny"
+    assert c.tokens == {"alice": "aaaaaaaa1", "bob": "bbbbbbbb2"} and c.metrics_port == 9464
+    assert c.data_dir == Path("~/ss").expanduser() and c.host_budget_bytes == 1_000_000 and c.default_mode == "exact"
+    assert load_config(env={"STATESTORE_TOKENS": "a=12345678,b=87654321"}).tokens == {"a": "12345678", "b": "87654321"}
+
+
+@pytest.mark.parametrize("text, env, message", [
+    ("[server]\nlisten = \"0.0.0.0:7450\"\n", {}, "not a loopback address and no auth.tokens"),
+    ("[server]\nlisten = \"nonsense\"\n", {}, "server.listen: 'nonsense' is not HOST:PORT"),
+    ("[engine]\npreset = \"huge\"\n", {}, "engine.preset: 'huge' is not one of mini, tiny"),
+    ("[storage]\nhost_budget_bytes = \"lots\"\n", {}, "host_budget_bytes from"),
+    ("[storage]\nhost_budget_bytes = 0\n", {}, "storage.host_budget_bytes: 0 <= 0"),
+    ("[storage]\ncolour = 3\n", {}, "unknown setting storage.colour"),
+    ("[tls]\ncert = \"a.pem\"\n", {}, "give both tls.cert and tls.key"),
+    ("[auth]\ntokens = { a = \"short\" }\n", {}, "tenant 'a' needs a token of at least 8 characters"),
+    ("[sessions]\ndurability = \"cloud\"\n", {}, "sessions.durability: 'cloud'"),
+    ("not toml [", {}, "is not valid TOML"),
+    ("", {"STATESTORE_SERVER_MAX_MESSAGE_BYTES": "12"}, "server.max_message_bytes: 12 outside"),
+    ("", {"STATESTORE_TOKENS": "alice"}, "expected tenant=token"),
+])
+def test_invalid_settings_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env=env)
+    assert message in str(info.value)
+
+
+def test_missing_file_and_non_loopback_with_tokens(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "nope.toml", env={})
+    c = ServiceConfig(listen="0.0.0.0:0", tokens={"alice": "aaaaaaaa1"})
+    assert c.host == "0.0.0.0"
+
+
+def test_token_auth_constant_time_lookup() -> None:
+    auth = TokenAuth({"alice": "aaaaaaaa1", "bob": "bbbbbbbb2"})
+    assert auth.tenant_for([("authorization", "Bearer bbbbbbbb2")]) == "bob"
+    assert auth.tenant_for([("Authorization", "bearer aaaaaaaa1")]) == "alice"
+    for metadata, message in (([], "missing credentials"), ([("authorization", "Bearer x")], "unknown bearer token"),
+                              ([("authorization", "Token aaaaaaaa1")], "expected 'Bearer <token>'")):
+        with pytest.raises(AuthError, match=message):
+            auth.tenant_for(metadata)
+    assert TokenAuth({}).tenant_for([]) == "default"
+
+
+def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
+    """`scripts/gen_proto.sh` reproduces the committed stubs byte for byte."""
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen_proto.sh")], check=True, env=env, timeout=60)
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert len(generated) == 9
+    for rel in generated:
+        committed = ROOT / rel
+        assert committed.read_bytes() == (tmp_path / rel).read_bytes(), f"{rel} is stale: run scripts/gen_proto.sh"
+
+
+def test_generated_modules_do_not_shadow_the_statestore_package() -> None:
+    import statestore
+    from proto.statestore.v1 import statestore_pb2
+
+    assert Path(statestore.__file__).parent == ROOT / "statestore"
+    assert statestore_pb2.DESCRIPTOR.package == "statestore.v1"
+    assert [s.full_name for s in statestore_pb2.DESCRIPTOR.services_by_name.values()] == ["statestore.v1.StateStore"]
