@@ -21,7 +21,8 @@ class StepContext:
     state: SequenceState
     end: int  # T: position after the newest row
     plan: RowPlan
-    query_chunk: int  # queries per attention/indexer chunk (bounds the [chunk, E] score tiles)
+    query_chunk: int  # queries per indexer chunk (bounds the [chunk, E] score tiles)
+    attention_tile: int  # queries per attention tile (each reads tile + W - 1 window keys)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [rows, k] entry ids
     pool: torch.Tensor | None = None  # [rows, candidate_topk_blocks] block ids, from the candidate source
     bias_cache: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # window band masks

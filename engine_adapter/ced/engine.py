@@ -39,16 +39,22 @@ class CEDEngine:
         seed: weight seed.
         device: "cpu", "cuda", ... or "meta" (shapes only: sizes without allocating weights).
         dtype: weights and activations (float64 for exactness tests, float32, bfloat16).
-        query_chunk: queries per attention/indexer tile; bounds memory at long contexts.
+        query_chunk: queries per indexer chunk (its scores are [chunk, E]); bounds memory at
+            long contexts. Default 256 on the CPU, 1024 elsewhere.
+        attention_tile: queries per attention tile (reads tile + W - 1 window keys). Default
+            64 on the CPU (measured best for `tiny`), 256 elsewhere.
     """
 
     def __init__(self, config: CEDConfig, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, query_chunk: int = 256) -> None:
+                 dtype: torch.dtype = torch.float32, query_chunk: int | None = None,
+                 attention_tile: int | None = None) -> None:
         self.config = config
         self.seed = seed
         self.device = torch.device(device)
         self.dtype = dtype
-        self.query_chunk = query_chunk
+        on_cpu = self.device.type == "cpu"
+        self.query_chunk = query_chunk or (256 if on_cpu else 1024)
+        self.attention_tile = min(attention_tile or (64 if on_cpu else 256), self.query_chunk)
         self.model: CEDModel = build_model(config, seed, self.device, dtype)
 
     # ------------------------------------------------------------------ states
@@ -165,7 +171,8 @@ class CEDEngine:
         return self._forward(state, plan)[-1]
 
     def _forward(self, state: SequenceState, plan: RowPlan) -> torch.Tensor:
-        ctx = StepContext(state=state, end=state.num_tokens, plan=plan, query_chunk=self.query_chunk)
+        ctx = StepContext(state=state, end=state.num_tokens, plan=plan, query_chunk=self.query_chunk,
+                          attention_tile=self.attention_tile)
         logits = self.model(state.tokens.view()[-plan.token_rows:], ctx)
         state.last_logits = logits[-1].clone()
         return logits

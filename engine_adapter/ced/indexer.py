@@ -114,7 +114,7 @@ class Indexer(nn.Module):
         self.scale = (heads * dim) ** -0.5
         self.rope = rope
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries [n, Hi, Di] (RoPE at t, like the keys at j*r) and head weights [n, Hi]."""
-        q = self.rope.apply(self.wq_idx(qr).view(-1, self.heads, self.dim), positions)
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [n, Hi, Di] at positions first.. (RoPE at t, like the keys at j*r), head weights [n, Hi]."""
+        q = self.rope.apply_range(self.wq_idx(qr).view(-1, self.heads, self.dim), first)
         return q, self.weights_proj(x) * self.scale

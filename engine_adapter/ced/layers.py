@@ -38,9 +38,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x.dtype))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
+        cdt = compute_dtype(x.dtype)
+        return F.rms_norm(x.to(cdt), self.weight.shape, self.weight.to(cdt), self.eps).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -60,30 +59,44 @@ class RotaryTail:
     """RoPE on the last `rope_dim` channels (half-split pairs), at explicit integer positions.
 
     Angles are computed in float64 from integer positions, so position p rotates identically
-    whether it is reached in a 4K-row prefill or in a single decode step.
+    whether it is reached in a 4K-row prefill or in a single decode step. Contiguous positions
+    (window keys, queries) read a float64 table that grows by doubling; it belongs to this
+    object (one per model), not to the process.
     """
 
     def __init__(self, rope_dim: int, theta: float, device: torch.device) -> None:
         self.rope_dim = rope_dim
         half = rope_dim // 2
         self.inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=device) * 2.0 / rope_dim)
+        self._cos = self._sin = self.inv_freq[None, :0]
+        self._size = 0
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, rope_dim/2] cos and sin for integer positions [n]."""
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
         """Rotate x [n, D] or [n, H, D] by +position (or -position when `inverse`); a new tensor."""
-        cos, sin = self.cos_sin(positions, x.dtype)
+        cos, sin = self._angles(positions)
+        return self._rotate(x, cos, sin, inverse)
+
+    def apply_range(self, x: torch.Tensor, start: int, *, inverse: bool = False) -> torch.Tensor:
+        """`apply` at positions start .. start + n - 1, from the table (same values, fewer ops)."""
+        end = start + x.shape[0]
+        if end > self._size:
+            self._size = max(end, 2 * self._size, 1024)
+            self._cos, self._sin = self._angles(torch.arange(self._size, device=self.inv_freq.device))
+        return self._rotate(x, self._cos[start:end], self._sin[start:end], inverse)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if inverse:
             sin = -sin
         if x.dim() == 3:
             cos, sin = cos[:, None, :], sin[:, None, :]
-        half = self.rope_dim // 2
+        d, half = x.shape[-1], self.rope_dim // 2
+        a, b = x[..., d - self.rope_dim: d - half], x[..., d - half:]
         out = x.clone()
-        a = x[..., -self.rope_dim: x.shape[-1] - half]
-        b = x[..., x.shape[-1] - half:]
-        out[..., -self.rope_dim: x.shape[-1] - half] = a * cos - b * sin
-        out[..., x.shape[-1] - half:] = a * sin + b * cos
+        out[..., d - self.rope_dim: d - half] = a * cos - b * sin
+        out[..., d - half:] = a * sin + b * cos
         return out

@@ -118,6 +118,12 @@ def test_prefill_then_decode_float32(engine32: CEDEngine) -> None:
         torch.testing.assert_close(logits, reference[i], rtol=1e-4, atol=1e-4)
 
 
+def test_query_chunks_and_attention_tiles_do_not_change_the_result(engine: CEDEngine) -> None:
+    tokens = make_tokens(61, seed=8)
+    odd = CEDEngine(mini(), seed=0, dtype=torch.float64, query_chunk=7, attention_tile=3)
+    torch.testing.assert_close(odd.reference_logits(tokens), engine.reference_logits(tokens), rtol=0, atol=EXACT)
+
+
 def test_chunked_prefill_equals_one_prefill(engine: CEDEngine) -> None:
     tokens = make_tokens(70, seed=5)
     state = engine.new_state()
@@ -181,7 +187,8 @@ def test_pool_and_reindex_rules_in_a_real_forward(engine: CEDEngine) -> None:
     tokens = make_tokens(90, seed=11)
     state = engine.new_state()
     state.tokens.append(tokens)
-    ctx = StepContext(state=state, end=90, plan=RowPlan.full(c.n_layers, 90, 90), query_chunk=32)
+    ctx = StepContext(state=state, end=90, plan=RowPlan.full(c.n_layers, 90, 90), query_chunk=32,
+                      attention_tile=16)
     with torch.inference_mode():
         engine.model(tokens, ctx)
     pool, reindex = ctx.pool, ctx.topk[6]
