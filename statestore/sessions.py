@@ -382,6 +382,8 @@ class SessionManager:
         durability = Durability(durability or self.config.durability)
         live = self._get_live(tenant, session_id)
         async with live.lock:
+            if self.adapter.num_tokens(live.state) == 0:  # a resume could not replay it (plan_replay needs T >= 1)
+                raise ValueError(f"session {session_id!r} is empty: append a prompt before checkpointing")
             start = time.perf_counter()
             previous = await self._load_manifest(tenant, session_id)
             written, new_blocks, shared = await self._put_blocks(tenant, live, durability)
