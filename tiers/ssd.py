@@ -30,7 +30,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,11 +63,12 @@ RECORD_SUFFIX = ".rec"
 TEMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lock"
-# Records at least this large are written with O_DIRECT from an aligned buffer; measured by
-# bench/tiers.py on the development machine (ext4 on virtio): see the report in the README.
-DEFAULT_DIRECT_IO_MIN_BYTES = 1 << 20
-DEFAULT_MAX_CONCURRENCY = 8
-SCAN_CHUNK = 16  # first-level directories per scan thread call  # puts/gets in flight for put_many/get_many (journal group commit)
+# Records at least this large are written and read with O_DIRECT (aligned buffer): on the
+# development machine (ext4 on virtio) one device I/O per record beat buffered I/O from
+# 128 KiB up, cold reads most of all (bench/tiers.py).
+DEFAULT_DIRECT_IO_MIN_BYTES = 128 << 10
+DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journal group commit)
+SCAN_CHUNK = 16  # first-level directories per scan thread call
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,14 +197,29 @@ class _KeyLocks:
 
 @dataclass(frozen=True, slots=True)
 class _ReadResult:
+    """What one worker-thread read found: a verified record, or why not."""
+
     record: Record | None
-    inode: int
-    problem: str = ""
+    inode: int = -1  # of the file read; -1 when none was read
+    problem: str = ""  # why the bytes are not a valid record (-> quarantine)
+    missing: bool = False  # the file is gone (-> drop from the index)
+    error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
-def _read_record(path: Path, key: RecordKey) -> _ReadResult:
-    """Worker thread: one read of the whole file, then full verification and decode."""
-    read = _fs.read_whole(path)
+def _read_records(jobs: Sequence[tuple[Path, RecordKey, bool]]) -> list[_ReadResult]:
+    """Worker thread: read and fully verify each file (one read each); never raises per file."""
+    return [_read_record(path, key, direct) for path, key, direct in jobs]
+
+
+def _read_record(path: Path, key: RecordKey, direct: bool) -> _ReadResult:
+    try:
+        read = _fs.read_whole(path, direct=direct)
+    except FileNotFoundError:
+        return _ReadResult(None, missing=True)
+    except RecordError as exc:  # the file shrank under the read
+        return _ReadResult(None, problem=str(exc))
+    except OSError as exc:
+        return _ReadResult(None, error=exc)
     try:
         return _ReadResult(decode_record(read.data, expect_key=key), read.inode)
     except RecordError as exc:
@@ -266,8 +282,10 @@ class SSDTier(Tier):
         zstd_kinds: kind code -> zstd level for the kinds worth compressing. Empty by
             default: FP4 KV payloads measure ~1.00x under zstd (bench/tiers.py), so the
             tier would only pay CPU for nothing.
-        direct_io_min_bytes: records this large or larger are written with O_DIRECT
-            (None: never).
+        direct_io_min_bytes: records this large or larger are written and read with
+            O_DIRECT (None: never). The SSD tier sits below the host RAM tier, so the page
+            cache would only hold a second copy; one device I/O per record also beats
+            buffered readahead windows on cold reads (bench/tiers.py).
         max_concurrency: puts/gets in flight in `put_many`/`get_many`.
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
@@ -281,6 +299,8 @@ class SSDTier(Tier):
                  max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._layout = SSDLayout(Path(root))
         self._budget_bytes = budget_bytes
         self._zstd_kinds = dict(zstd_kinds or {})
@@ -322,13 +342,21 @@ class SSDTier(Tier):
         return self.last_scan
 
     def _prepare_root(self) -> int:
+        """Worker thread: create the root, take its lock, create the first fan-out level."""
         root = self._layout.root
         if not root.is_dir():
             root.mkdir(parents=True)
             _fs.fsync_dir(root.parent)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"{root} is in use by another SSDTier (flock on {root / LOCK_FILE}); "
+                               "close it first or give this tier its own directory") from None
         self._layout.quarantine_dir.mkdir(exist_ok=True)
         # The 256 first-level directories up front (1 MiB of directory blocks, one fsync):
-        # a put then creates at most its second-level directory.
+        # a put then creates (and fsyncs into its parent) at most its second-level directory.
         created = False
         for top in range(256):
             try:
@@ -338,13 +366,6 @@ class SSDTier(Tier):
                 pass
         if created:
             _fs.fsync_dir(root)
-        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RuntimeError(f"{root} is in use by another SSDTier (flock on {root / LOCK_FILE}); "
-                               "close it first or give this tier its own directory") from None
         self._block_bytes = os.stat(root).st_blksize or 4096
         return fd
 
@@ -469,19 +490,38 @@ class SSDTier(Tier):
         if key not in self._index:
             return None
         path = self._layout.path(key)
-        try:
-            result = await asyncio.to_thread(_read_record, path, key)
-        except RecordError as exc:  # the file shrank under the read
-            result = _ReadResult(None, -1, str(exc))
-        except FileNotFoundError:
+        (result,) = await asyncio.to_thread(_read_records, [(path, key, self._read_direct(key))])
+        return await self._finish_get(key, path, result)
+
+    def _read_direct(self, key: RecordKey) -> bool:
+        entry = self._index.get(key)
+        limit = self._direct_io_min_bytes
+        return entry is not None and limit is not None and entry.file_bytes >= limit
+
+    async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
+        """Reads split over `max_concurrency` worker threads, one thread hop per share."""
+        self._check_open()
+        jobs = [(i, self._layout.path(k), k) for i, k in enumerate(keys) if k in self._index]
+        out: list[Record | None] = [None] * len(keys)
+        shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
+        results = await asyncio.gather(*(
+            asyncio.to_thread(_read_records, [(p, k, self._read_direct(k)) for _, p, k in share])
+            for share in shares))
+        for share, share_results in zip(shares, results):
+            for (i, path, key), result in zip(share, share_results):
+                out[i] = await self._finish_get(key, path, result)
+        return out
+
+    async def _finish_get(self, key: RecordKey, path: Path, result: _ReadResult) -> Record | None:
+        if result.record is not None:
+            return result.record
+        if result.missing:
             await self._forget_missing(key)
-            return None
-        except OSError as exc:
-            logger.warning("ssd get of %s failed: %s", key.hex(), exc, exc_info=True)
-            return None
-        if result.record is None:
+        elif result.error is not None:
+            logger.warning("ssd get of %s failed: %s", key.hex(), result.error)
+        else:
             await self._quarantine_bad(key, path, result)
-        return result.record
+        return None
 
     async def _forget_missing(self, key: RecordKey) -> None:
         async with self._gate.mutation(), self._locks.hold(key):
@@ -521,13 +561,10 @@ class SSDTier(Tier):
         """Concurrent puts: the file system commits their journal entries together."""
         return await self._bounded(self.put, records)
 
-    async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
-        return await self._bounded(self.get, keys)
-
-    async def _bounded(self, fn, items):  # type: ignore[no-untyped-def]
+    async def _bounded(self, fn: Callable[[Record], Awaitable[bool]], items: Sequence[Record]) -> list[bool]:
         limit = asyncio.Semaphore(self._max_concurrency)
 
-        async def one(item):  # type: ignore[no-untyped-def]
+        async def one(item: Record) -> bool:
             async with limit:
                 return await fn(item)
 

@@ -13,14 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from redis.crc import key_slot
-from tiers.record import Record, RecordHeader, encode_record, make_record
+from tiers.record import Record, encode_record, make_record
 from tiers.redis import PER_KEY_OVERHEAD_BYTES, RedisTier
 
 pytestmark = pytest.mark.redis

@@ -94,7 +94,8 @@ async def test_second_tier_on_the_same_directory_is_refused(tier: SSDTier) -> No
         await SSDTier.create(tier._layout.root)
 
 
-async def test_payload_bit_flip_is_caught_at_get_and_quarantined(tier: SSDTier, caplog: pytest.LogCaptureFixture) -> None:
+async def test_payload_bit_flip_is_caught_at_get_and_quarantined(tier: SSDTier,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     good, bad = rec(1, 10_000), rec(2, 10_000)
     await tier.put_many([good, bad])
     path = record_path(tier._layout.root, bad)
@@ -241,7 +242,8 @@ async def test_write_failure_leaves_no_half_file(tier: SSDTier, caplog: pytest.L
 
 
 @pytest.mark.parametrize("direct_io_min_bytes", [0, None], ids=["o_direct", "buffered"])
-async def test_unaligned_sizes_round_trip_through_both_write_paths(tmp_path: Path, direct_io_min_bytes: int | None) -> None:
+async def test_unaligned_sizes_round_trip_through_both_write_paths(tmp_path: Path,
+                                                                   direct_io_min_bytes: int | None) -> None:
     tier = await SSDTier.create(tmp_path / "ssd", direct_io_min_bytes=direct_io_min_bytes)
     try:
         records = [rec(i, size) for i, size in enumerate([0, 1, 4096 - HEADER_SIZE, 4097, 1_000_003])]
