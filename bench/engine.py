@@ -10,7 +10,8 @@ machine; the load average is recorded). It then profiles one 4K prefill by phase
 attention, indexer/top-k, compressor, encoder FFN, decoder tail) and checks the floor:
 a 4K-token `tiny` prefill in fp32 on 2 CPU cores must take <= 2.6 s (ENGINE.md §5).
 
-Writes bench/results/engine[-cuda].json (DESIGN.md §7 format).
+Writes bench/results/engine[-cuda].json (DESIGN.md §7 format); presets other than `tiny` write
+engine_<preset>[-cuda].json.
 """
 
 from __future__ import annotations
@@ -38,16 +39,17 @@ FLOOR_PREFILL_4K_S = 2.6  # the prototype's 2.3-2.6 s, upper end (ENGINE.md §5)
 class DenseBlock(nn.Module):
     """Pre-norm MHA (d_model / n_heads per head) + SwiGLU, no biases: the textbook dense layer."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ffn: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_ffn: int, **kw) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.attn_norm, self.ffn_norm = nn.RMSNorm(d_model), nn.RMSNorm(d_model)
-        self.wqkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.wo = nn.Linear(d_model, d_model, bias=False)
-        self.w13 = nn.Linear(d_model, 2 * d_ffn, bias=False)
-        self.w2 = nn.Linear(d_ffn, d_model, bias=False)
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(d_model, **kw), nn.RMSNorm(d_model, **kw)
+        self.wqkv = nn.Linear(d_model, 3 * d_model, bias=False, **kw)
+        self.wo = nn.Linear(d_model, d_model, bias=False, **kw)
+        self.w13 = nn.Linear(d_model, 2 * d_ffn, bias=False, **kw)
+        self.w2 = nn.Linear(d_ffn, d_model, bias=False, **kw)
 
     def forward(self, h: torch.Tensor, cache: list[torch.Tensor], pos: int) -> torch.Tensor:
+        """Rows [pos, pos + t); causal masking assumes a prefill starts at 0 or decodes one row."""
         t, d = h.shape
         q, k, v = self.wqkv(self.attn_norm(h)).view(t, 3, self.n_heads, d // self.n_heads).unbind(1)
         cache[0][pos: pos + t], cache[1][pos: pos + t] = k, v
@@ -62,18 +64,20 @@ class DenseBlock(nn.Module):
 class DenseLM(nn.Module):
     """Same d_model, depth, heads, FFN and vocabulary as the CED config; full KV cache."""
 
-    def __init__(self, c: CEDConfig) -> None:
+    def __init__(self, c: CEDConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        self.config = c
-        self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        self.blocks = nn.ModuleList(DenseBlock(c.d_model, c.n_heads, c.d_ffn) for _ in range(c.n_layers))
-        self.norm = nn.RMSNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        kw = dict(device=device, dtype=dtype)
+        self.config, self.device, self.dtype = c, device, dtype
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, **kw)
+        self.blocks = nn.ModuleList(DenseBlock(c.d_model, c.n_heads, c.d_ffn, **kw) for _ in range(c.n_layers))
+        self.norm = nn.RMSNorm(c.d_model, **kw)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False, **kw)
 
-    def new_cache(self, max_tokens: int, device: torch.device) -> list[list[torch.Tensor]]:
+    def new_cache(self, max_tokens: int) -> list[list[torch.Tensor]]:
         c = self.config
         shape = (max_tokens, c.n_heads, c.d_model // c.n_heads)
-        return [[torch.empty(shape, device=device), torch.empty(shape, device=device)] for _ in range(c.n_layers)]
+        return [[torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(2)]
+                for _ in range(c.n_layers)]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: list[list[torch.Tensor]], pos: int) -> torch.Tensor:
@@ -124,7 +128,7 @@ def measure_ced(engine: CEDEngine, tokens: torch.Tensor, decode_steps: int, repe
 def measure_dense(model: DenseLM, tokens: torch.Tensor, decode_steps: int, repeats: int,
                   device: torch.device) -> dict[str, float]:
     n = tokens.shape[0]
-    cache = model.new_cache(n + decode_steps * max(1, repeats), device)
+    cache = model.new_cache(n + decode_steps * max(1, repeats))
     model(tokens, cache, 0)  # warm-up
     best, median = best_of(lambda: model(tokens, cache, 0), repeats, device)
     steps = tokens[:decode_steps].tolist()
@@ -218,7 +222,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     engine = CEDEngine(config, seed=0, device=device, dtype=dtype)
-    dense = DenseLM(config).to(device=device, dtype=dtype).eval()
+    dense = DenseLM(config, device, dtype).eval()
     rows = []
     for n in lengths:
         tokens = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -237,8 +241,8 @@ def main() -> None:
                        "decode_ms_per_token", "prefill_vs_dense", "decode_vs_dense"])
 
     profile_tokens = torch.randint(0, config.vocab_size, (4096,), generator=torch.Generator().manual_seed(4096))
-    total, phases = PhaseTimer(CEDEngine(config, seed=0, device=device, dtype=dtype)).profile(profile_tokens,
-                                                                                              repeats)
+    del dense
+    total, phases = PhaseTimer(engine).profile(profile_tokens, repeats)  # wraps this engine's layers
     print(f"\n4K prefill by phase (best of {repeats}, {total:.3f} s with timing syncs):")
     print_table([{"phase": k, "seconds": v, "share": v / total} for k, v in phases.items()],
                 ["phase", "seconds", "share"])
@@ -252,7 +256,8 @@ def main() -> None:
               "repeats": repeats, "decode_steps": decode_steps, "quick": args.quick,
               "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
               "phases_4k_s": phases, "config": config.to_dict()}
-    path = write_results("engine", device=args.device, params=params, rows=rows, floors=floors)
+    name = "engine" if config.name == "tiny" else f"engine_{config.name}"
+    path = write_results(name, device=args.device, params=params, rows=rows, floors=floors)
     print(f"wrote {path}")
 
 

@@ -16,6 +16,8 @@ keys around it (t = 64 on the CPU wastes 1.5x on the band instead of 3x at t = 2
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -92,6 +94,22 @@ def window_sparse_attention(
     return out
 
 
+@dataclass(slots=True)
+class _Selection:
+    """The sparse half of one layer's attention for its query rows (all None for a WINDOW layer)."""
+
+    entries: torch.Tensor | None = None  # [E, D] the owner's dequantized global KV
+    topk: torch.Tensor | None = None  # [n, k] entry ids: reused, or filled chunk by chunk by this layer
+    index_q: tuple[torch.Tensor, torch.Tensor] | None = None  # own index queries [n, Hi, Di], weights [n, Hi]
+    index_keys: torch.Tensor | None = None  # [E, Di] the owner's dequantized index keys
+    pool_in: torch.Tensor | None = None  # REINDEX: the candidate pool of these rows
+    pool_out: torch.Tensor | None = None  # candidate source: the pool it publishes
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
+
+
 class Attention(nn.Module):
     """Weights of one layer's attention and the glue that reads/writes its state."""
 
@@ -147,39 +165,47 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, qr: torch.Tensor, xq: torch.Tensor, pos: torch.Tensor,
                 keys: torch.Tensor, key_start: int, ctx: StepContext) -> torch.Tensor:
-        num_out = q.shape[0]
-        first_pos = ctx.end - num_out
-        entries = index_keys = topk = pool = pool_in = None
-        if self.kv_source is not None:
-            source = ctx.state.sources[self.kv_source]
-            entries, index_keys = source.main_values.view(), source.index_values.view()
-        if self.indexer is not None:
-            qi, wi = self.indexer.queries(qr, xq, first_pos)
-            topk = torch.empty(num_out, self.topk, dtype=torch.long, device=q.device)
-            if self.is_candidate:
-                pool = torch.empty(num_out, self.pool_blocks, dtype=torch.long, device=q.device)
-            if self.mode is LayerMode.REINDEX:
-                pool_in = ctx.pool[-num_out:]
-        elif self.kv_source is not None:
-            topk = ctx.topk[self.index_source][-num_out:]
+        """Chunked over queries: select (own indexer or reused top-k), then attend tile by tile."""
+        num_out, first_pos = q.shape[0], ctx.end - q.shape[0]
+        sel = self._prepare_selection(qr, xq, first_pos, ctx)
         out = torch.empty_like(q)
         chunk, tile = ctx.query_chunk, ctx.attention_tile
         for c0 in range(0, num_out, chunk):  # index scores are [chunk, E]: bounded memory
             c1 = min(num_out, c0 + chunk)
-            if self.indexer is not None:
-                topk[c0:c1] = self._select(qi[c0:c1], wi[c0:c1], pos[c0:c1], first_pos + c1, index_keys,
-                                           None if pool_in is None else pool_in[c0:c1],
-                                           None if pool is None else pool[c0:c1])
+            if sel.index_q is not None:
+                sel.topk[c0:c1] = self._select(sel.index_q[0][c0:c1], sel.index_q[1][c0:c1], pos[c0:c1],
+                                               first_pos + c1, sel.index_keys, _rows(sel.pool_in, c0, c1),
+                                               _rows(sel.pool_out, c0, c1))
             for a0 in range(c0, c1, tile):  # a tile of t queries reads t + W - 1 window keys
                 a1 = min(c1, a0 + tile)
                 out[a0:a1] = window_sparse_attention(q[a0:a1], first_pos + a0, keys, key_start, self.window,
-                                                     entries, None if topk is None else topk[a0:a1], self.sink,
-                                                     self.scale, ctx.bias_cache)
-        if self.indexer is not None:
-            ctx.topk[self.layer_id] = topk
-        if pool is not None:
-            ctx.pool = pool
+                                                     sel.entries, _rows(sel.topk, a0, a1), self.sink, self.scale,
+                                                     ctx.bias_cache)
+        if sel.index_q is not None:
+            ctx.topk[self.layer_id] = sel.topk
+        if sel.pool_out is not None:
+            ctx.pool = sel.pool_out
         return out
+
+    def _prepare_selection(self, qr: torch.Tensor, xq: torch.Tensor, first_pos: int, ctx: StepContext) -> _Selection:
+        """What this layer's mode reads: the owner's entries, its own index queries or a reused top-k."""
+        sel = _Selection()
+        if self.kv_source is None:
+            return sel  # WINDOW
+        source = ctx.state.sources[self.kv_source]
+        sel.entries = source.main_values.view()
+        num_out = qr.shape[0]
+        if self.indexer is None:  # REUSE: the last index source's top-k for these (trailing) rows
+            sel.topk = ctx.topk[self.index_source][-num_out:]
+            return sel
+        sel.index_q = self.indexer.queries(qr, xq, first_pos)
+        sel.index_keys = source.index_values.view()
+        sel.topk = torch.empty(num_out, self.topk, dtype=torch.long, device=qr.device)
+        if self.is_candidate:
+            sel.pool_out = torch.empty(num_out, self.pool_blocks, dtype=torch.long, device=qr.device)
+        if self.mode is LayerMode.REINDEX:
+            sel.pool_in = ctx.pool[-num_out:]
+        return sel
 
     def _select(self, qi: torch.Tensor, wi: torch.Tensor, pos: torch.Tensor, end: int, index_keys: torch.Tensor,
                 pool_in: torch.Tensor | None, pool_out: torch.Tensor | None) -> torch.Tensor:
