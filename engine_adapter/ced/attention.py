@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .codecs import dequantize_fp8, quantize_fp8_e8m0
 from .compressor import Compressor
-from .config import CEDConfig, LayerMode
+from .config import RING_BLOCK, CEDConfig, LayerMode
 from .context import StepContext
 from .indexer import Indexer, candidate_pool, index_scores, pool_mask, select_topk, visible_entries
 from .layers import Linear, RMSNorm, RotaryTail, compute_dtype
@@ -143,7 +144,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, num_out: int, ctx: StepContext) -> torch.Tensor:
         """x: normed inputs of the rows this layer reads -> [num_out, d_model] for the trailing rows."""
         first = ctx.end - x.shape[0]
-        keys, key_start = self._window_keys(x, first, ctx.state.rings[self.layer_id])
+        keys, key_start = self._window_keys(x, first, ctx.state.rings[self.layer_id], ctx.fp8_ring)
         if self.compressor is not None:
             self.compressor.publish(x, first, ctx.state.sources[self.layer_id])
         xq = x[-num_out:]
@@ -153,9 +154,15 @@ class Attention(nn.Module):
         out = self._attend(q, qr, xq, ctx.positions(num_out), keys, key_start, ctx)
         return self._project_out(self.rope.apply_range(out, first_out, inverse=True))
 
-    def _window_keys(self, x: torch.Tensor, first: int, ring: Ring) -> tuple[torch.Tensor, int]:
-        """Window keys of the rows read, preceded by the ring when it ends right before them."""
+    def _window_keys(self, x: torch.Tensor, first: int, ring: Ring, fp8: bool) -> tuple[torch.Tensor, int]:
+        """Window keys of the rows read, preceded by the ring when it ends right before them.
+
+        With `fp8` the keys are rounded through the FP8 ring format before anyone reads them, so
+        attention sees exactly what an FP8 ring holds and an FP8 export of the ring is lossless.
+        """
         kv = self.rope.apply_range(self.kv_norm(self.wkv(x)), first)
+        if fp8:
+            kv = dequantize_fp8(quantize_fp8_e8m0(kv, RING_BLOCK), kv.dtype)
         if ring.end == first and len(ring):
             keys, key_start = torch.cat([ring.view(), kv]), ring.start
         else:

@@ -23,6 +23,7 @@ class StepContext:
     plan: RowPlan
     query_chunk: int  # queries per indexer chunk (bounds the [chunk, E] score tiles)
     attention_tile: int  # queries per attention tile (each reads tile + W - 1 window keys)
+    fp8_ring: bool = False  # window keys pass through FP8 E4M3 + E8M0/32, as V4.1's GPU rings store them
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [rows, k] entry ids
     pool: torch.Tensor | None = None  # [rows, candidate_topk_blocks] block ids, from the candidate source
     bias_cache: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # window band masks

@@ -43,11 +43,13 @@ class CEDEngine:
             long contexts. Default 256 on the CPU, 1024 elsewhere.
         attention_tile: queries per attention tile (reads tile + W - 1 window keys). Default
             64 on the CPU (measured best for `tiny`), 256 elsewhere.
+        fp8_ring: round window keys through FP8 E4M3 + E8M0/32 (V4.1's GPU ring format) before
+            attention reads them; then `export_swa(fmt="fp8")` (528 B a row at D = 512) is lossless.
     """
 
     def __init__(self, config: CEDConfig, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, query_chunk: int | None = None,
-                 attention_tile: int | None = None) -> None:
+                 attention_tile: int | None = None, fp8_ring: bool = False) -> None:
         self.config = config
         self.seed = seed
         self.device = torch.device(device)
@@ -55,6 +57,7 @@ class CEDEngine:
         on_cpu = self.device.type == "cpu"
         self.query_chunk = query_chunk or (256 if on_cpu else 1024)
         self.attention_tile = min(attention_tile or (64 if on_cpu else 256), self.query_chunk)
+        self.fp8_ring = fp8_ring
         self.model: CEDModel = build_model(config, seed, self.device, dtype)
 
     # ------------------------------------------------------------------ states
@@ -172,7 +175,7 @@ class CEDEngine:
 
     def _forward(self, state: SequenceState, plan: RowPlan) -> torch.Tensor:
         ctx = StepContext(state=state, end=state.num_tokens, plan=plan, query_chunk=self.query_chunk,
-                          attention_tile=self.attention_tile)
+                          attention_tile=self.attention_tile, fp8_ring=self.fp8_ring)
         logits = self.model(state.tokens.view()[-plan.token_rows:], ctx)
         state.last_logits = logits[-1].clone()
         return logits

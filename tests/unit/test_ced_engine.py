@@ -257,3 +257,20 @@ def test_fp8_ring_export_is_528_bytes_a_row_at_v41_width_and_close() -> None:
     eng.import_swa(b, payload, fmt="fp8")
     for ra, rb in zip(a.rings, b.rings):
         torch.testing.assert_close(ra.view(), rb.view(), rtol=0.07, atol=0.02)
+
+
+def test_fp8_rings_make_the_fp8_export_lossless() -> None:
+    eng = CEDEngine(mini(), seed=0, dtype=torch.float64, fp8_ring=True)
+    tokens = make_tokens(30, seed=12)
+    a = prefilled(eng, tokens)
+    reference = eng.reference_logits(tokens)
+    torch.testing.assert_close(a.last_logits, reference[-1], rtol=0, atol=EXACT)  # staircase still exact
+    b = eng.new_state()
+    eng.import_tokens(b, eng.export_tokens(a))
+    eng.import_global(b, 0, 30, eng.export_global(a, 0, 30))
+    eng.import_tails(b, eng.export_tails(a))
+    eng.import_swa(b, eng.export_swa(a, fmt="fp8"), fmt="fp8")
+    for ra, rb in zip(a.rings, b.rings):
+        assert torch.equal(ra.view(), rb.view())
+    for token in (4, 8, 15):
+        assert torch.equal(eng.decode_step([a], [token])[0], eng.decode_step([b], [token])[0])
