@@ -5,8 +5,9 @@ checkpoint persists only what must be kept::
 
     block records   GLOBAL_KV + INDEX_K of each new complete block of B tokens, keyed by the
                     prefix chain (shared with every session of the tenant with that prefix)
-    tail records    the global entries of the last (T mod B) tokens, aligned down to the
-                    compression groups; versioned, rewritten at each checkpoint
+    tail records    the global entries of the last (T mod B) tokens (a ratio-r source holds
+                    the groups completed by T; the rest of a group is rebuildable: kept with
+                    the rings, else replayed); versioned, rewritten at each checkpoint
     tokens record   all T token ids (int32); versioned
     rings           optional: SWA rings + compressor tails + last logits (REBUILDABLE, host
                     RAM, expires after `keep_rings_ttl_s`)
@@ -390,8 +391,9 @@ class SessionManager:
             version = max(live.version, previous.version if previous else 0) + 1
             num_tokens = self.adapter.num_tokens(live.state)
             tail_start = len(live.block_keys) * self.config.block_size
-            tail_end = num_tokens // self.adapter.token_alignment * self.adapter.token_alignment
-            tail_end = max(tail_start, tail_end)
+            # The tail runs to T, not to T aligned down: with odd T a ratio-1 source's last entry
+            # exists nowhere else, and kept rings (which carry no global entries) need it.
+            tail_end = num_tokens
             exported = await self._run(self._export_checkpoint, live.state, tail_start, tail_end)
             parent = live.block_keys[-1] if live.block_keys else ZERO_KEY
             for payload in exported["tail"]:
