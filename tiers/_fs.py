@@ -217,9 +217,9 @@ def _open_for_read(path: Path, direct: bool) -> int:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def read_header(path: Path) -> tuple[RecordHeader, int]:
+def read_header(path: Path | str, *, dir_fd: int | None = None) -> tuple[RecordHeader, int]:
     """The verified header of a record file and the file's size (the payload stays unread)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, HEADER_SIZE, 0)

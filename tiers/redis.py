@@ -221,8 +221,12 @@ class RedisTier(Tier):
     # ----- accounting -------------------------------------------------------------------
 
     def _overhead(self, key: RecordKey) -> int:
+        """Key length plus the per-key estimate; the length of `redis_key(key)`, computed
+        without building it (this runs for every record read or written)."""
+        kind = (key[0] << 8) | key[1]
+        key_len = len(self._prefix) + 4 + 2 * KEY_BYTES + len(str(kind))  # "p:{hex}:kind"
         expiry = PER_EXPIRY_OVERHEAD_BYTES if self._ttl_s is not None else 0
-        return len(self.redis_key(key)) + PER_KEY_OVERHEAD_BYTES + expiry
+        return key_len + PER_KEY_OVERHEAD_BYTES + expiry
 
     def footprint(self, record: Record) -> int:
         level = self._zstd_kinds.get(record.header.kind)
@@ -231,6 +235,8 @@ class RedisTier(Tier):
         return value_bytes + self._overhead(record.key)
 
     def _track(self, key: RecordKey, kind: int, value_bytes: int) -> None:
+        if self._known.get(key) == (kind, value_bytes):
+            return  # a re-read of what we already count
         self._untrack(key)
         self._known[key] = (kind, value_bytes)
         self._count(key, kind, value_bytes, +1)

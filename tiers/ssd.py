@@ -238,39 +238,61 @@ def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
     for top in tops:
         with os.scandir(layout.root / top) as subs:
             for sub in subs:
-                if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
+                    _scan_leaf(layout, top, sub.name, out)
+                else:
                     out.discarded.append(f"{top}/{sub.name}: unexpected entry (left alone)")
-                    continue
-                with os.scandir(sub.path) as files:
-                    for f in files:
-                        _scan_file(layout, (top, sub.name), Path(f.path), out)
     return out
 
 
-def _scan_file(layout: SSDLayout, fanout: tuple[str, str], path: Path, out: _DirScan) -> None:
-    where = f"{fanout[0]}/{fanout[1]}/{path.name}"
-    if path.name.endswith(TEMP_SUFFIX):
+def _scan_leaf(layout: SSDLayout, top: str, sub: str, out: _DirScan) -> None:
+    """One leaf directory, opened once: files are opened relative to it (no path walks),
+    which matters at millions of records."""
+    try:
+        fanout = (int(top, 16), int(sub, 16))
+    except ValueError:
+        fanout = (-1, -1)
+    dir_fd = os.open(layout.root / top / sub, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in os.listdir(dir_fd):
+            problem = _scan_file(dir_fd, name, fanout, out)
+            if problem:
+                _set_aside(layout, top, sub, name, problem, out)
+    finally:
+        os.close(dir_fd)
+
+
+def _scan_file(dir_fd: int, name: str, fanout: tuple[int, int], out: _DirScan) -> str:
+    """Index one file; "" when done with it, else what is wrong with it."""
+    if name.endswith(TEMP_SUFFIX):
+        return "leftover temp file of an unacknowledged put"
+    key = SSDLayout.key_from_name(name)
+    if key is None or (key[2], key[3]) != fanout:
+        return "unexpected file name or directory"
+    try:
+        header, size = _fs.read_header(name, dir_fd=dir_fd)
+    except RecordError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    if header.key != key:
+        return "header key does not match the file name"
+    out.entries.append((key, header, size))
+    return ""
+
+
+def _set_aside(layout: SSDLayout, top: str, sub: str, name: str, problem: str, out: _DirScan) -> None:
+    """Temp leftovers are removed; unreadable files left alone; anything else quarantined."""
+    path = layout.root / top / sub / name
+    where = f"{top}/{sub}/{name}"
+    if name.endswith(TEMP_SUFFIX):
         _fs.remove_quietly(path)
-        out.discarded.append(f"{where}: leftover temp file of an unacknowledged put (removed)")
-        return
-    key = layout.key_from_name(path.name)
-    if key is None or SSDLayout.fanout(key) != fanout:
-        reason = "unexpected file name or directory"
+        out.discarded.append(f"{where}: {problem} (removed)")
+    elif problem.startswith("unreadable"):
+        out.discarded.append(f"{where}: {problem}; left in place, not indexed")
     else:
-        try:
-            header, size = _fs.read_header(path)
-        except RecordError as exc:
-            reason = str(exc)
-        except OSError as exc:
-            out.discarded.append(f"{where}: unreadable ({exc}); left in place, not indexed")
-            return
-        else:
-            if header.key == key:
-                out.entries.append((key, header, size))
-                return
-            reason = "header key does not match the file name"
-    _fs.quarantine(path, layout.quarantine_dir)
-    out.discarded.append(f"{where}: {reason} (quarantined)")
+        _fs.quarantine(path, layout.quarantine_dir)
+        out.discarded.append(f"{where}: {problem} (quarantined)")
 
 
 class SSDTier(Tier):
