@@ -24,11 +24,12 @@ import grpc
 
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
 from statestore.types import Durability
-from tiers.record import TENANT_BYTES, Record, decode_record, encode_record
+from statestore.wire import encoded_size, join_parts, record_parts
+from tiers.record import TENANT_BYTES, Record
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
-_OFFLOAD_BYTES = 1 << 20
+_OFFLOAD_BYTES = 16 << 20  # verify records this large off the event loop
 T = TypeVar("T")
 
 
@@ -297,13 +298,10 @@ class StateStoreClient:
         step = self.options.chunk_bytes
         for record in records:
             record = Record(replace(record.header, tenant_id=bytes(TENANT_BYTES)), record.payload)
-            data = encode_record(record) if record.nbytes < _OFFLOAD_BYTES else \
-                await asyncio.to_thread(encode_record, record)
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
-                key=record.key, total_bytes=len(data), durability=int(durability), pin=pin))
-            view = memoryview(data)
-            for offset in range(0, len(data), step):
-                yield common_pb2.RecordChunk(data=bytes(view[offset:offset + step]))
+                key=record.key, total_bytes=encoded_size(record), durability=int(durability), pin=pin))
+            for part in record_parts(record, step):
+                yield common_pb2.RecordChunk(data=part)
 
     async def put_records(self, records: Sequence[Record], durability: Durability = Durability.MEMORY, *,
                           pin: bool = False) -> list[PutInfo]:
@@ -327,7 +325,7 @@ class StateStoreClient:
             async for chunk in call:
                 if chunk.WhichOneof("part") == "start":
                     if pending is not None:
-                        out.append(await _decode(b"".join(parts), pending[0]))
+                        out.append(await _decode(parts, pending[0], pending[1]))
                     pending, parts = None, []
                     if chunk.start.found:
                         pending = (bytes(chunk.start.key), chunk.start.total_bytes)
@@ -338,7 +336,7 @@ class StateStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
         if pending is not None:
-            out.append(await _decode(b"".join(parts), pending[0]))
+            out.append(await _decode(parts, pending[0], pending[1]))
         return out
 
     async def pin(self, keys: Sequence[bytes]) -> int:
@@ -432,10 +430,10 @@ def _name(method: Any) -> str:
     return raw.rsplit("/", 1)[-1]
 
 
-async def _decode(buf: bytes, key: bytes) -> Record:
-    if len(buf) >= _OFFLOAD_BYTES:
-        return await asyncio.to_thread(decode_record, buf, expect_key=key)
-    return decode_record(buf, expect_key=key)
+async def _decode(parts: list[bytes], key: bytes, total_bytes: int) -> Record:
+    if total_bytes >= _OFFLOAD_BYTES:
+        return await asyncio.to_thread(join_parts, parts, expect_key=key)
+    return join_parts(parts, expect_key=key)
 
 
 # ----- the sync wrapper ------------------------------------------------------------------------
