@@ -28,7 +28,7 @@ import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -52,7 +52,7 @@ from statestore.sessions import (
 from statestore.store import TieredStore
 from statestore.types import Durability, TierName
 from tiers.host import HostTier
-from tiers.record import HEADER_SIZE, RecordKey, make_record_key
+from tiers.record import HEADER_SIZE, make_record_key
 from tiers.redis import RedisTier
 from tiers.ssd import SSDLayout, SSDTier
 
@@ -105,7 +105,7 @@ class Node:
     adapter: CEDAdapter
     store: TieredStore
     sessions: SessionManager
-    closed: bool = field(default=False)
+    closed: bool = False
 
     async def aclose(self) -> None:
         if not self.closed:
