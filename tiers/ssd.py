@@ -232,6 +232,20 @@ class _DirScan:
     discarded: list[str] = dataclasses.field(default_factory=list)
 
 
+def _list_root(root: Path) -> tuple[list[str], list[str]]:
+    """Worker thread: the first-level fan-out directories, and what else is in the root."""
+    tops, discarded = [], []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name in (QUARANTINE_DIR, LOCK_FILE):
+                continue
+            if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
+                tops.append(entry.name)
+            else:
+                discarded.append(f"{entry.name}: unexpected entry (left alone)")
+    return sorted(tops), sorted(discarded)
+
+
 def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
     """Worker thread: classify every file under root/<top>/<sub>/, clean up as it goes."""
     out = _DirScan()
@@ -597,14 +611,7 @@ class SSDTier(Tier):
         self._check_open()
         async with self._gate.exclusive():
             root = self._layout.root
-            tops, discarded = [], []
-            for name in sorted(await aiofiles.os.listdir(root)):
-                if name in (QUARANTINE_DIR, LOCK_FILE):
-                    continue
-                if len(name) == 2 and await aiofiles.os.path.isdir(root / name):
-                    tops.append(name)
-                else:
-                    discarded.append(f"{name}: unexpected entry (left alone)")
+            tops, discarded = await asyncio.to_thread(_list_root, root)
             chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
             scans = await asyncio.gather(*(asyncio.to_thread(_scan_top_dirs, self._layout, c) for c in chunks))
             self._index, self._tally, self._resident_bytes = {}, {}, 0

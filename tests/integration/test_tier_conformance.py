@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 
 from tiers.base import Tier
 from tiers.record import Record, RecordHeader, make_record
-from tiers.registry import TierConfig, open_tier
+from tiers import registry
+from tiers.registry import TierConfig, build_tier, open_tier, register_tier, registered_tiers
 
 SIZES = [0, 1, 4096, 1 << 20]
 TIERS = ["ssd", pytest.param("redis", marks=pytest.mark.redis), "host"]
@@ -151,3 +152,20 @@ async def test_same_block_different_kinds_are_different_records(tier: Tier) -> N
     assert await tier.put(a) and await tier.put(b)
     assert_same(await tier.get(a.key), a)
     assert_same(await tier.get(b.key), b)
+
+
+def test_registry_names_every_tier_and_explains_unknown_names() -> None:
+    assert {"host", "ssd", "redis"} <= set(registered_tiers())
+    with pytest.raises(ValueError, match=r"unknown tier 'tape'; registered tiers: .*host.*redis.*ssd"):
+        build_tier(TierConfig("tape"))
+    with pytest.raises(ValueError, match="the ssd tier needs a path"):
+        build_tier(TierConfig("ssd"))
+
+
+def test_registry_refuses_a_class_that_is_not_a_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # restored after the test
+    register_tier("not-a-tier", "tiers.record", "RecordHeader")
+    with pytest.raises(TypeError, match="is not a subclass of tiers.base.Tier"):
+        build_tier(TierConfig("not-a-tier"))
+    with pytest.raises(ValueError, match="already registered"):
+        register_tier("ssd", "tiers.host", "HostTier")
