@@ -269,7 +269,8 @@ class TieredStore:
         meta = self._index.get(header.key) or StateMeta(
             header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
             acked=True, created=created, last_access=created,
-            model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id)
+            model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id,
+            token_start=header.token_start, token_end=header.token_end)
         # Scans give headers, not payloads: the copy's bytes are estimated from the stored size.
         stored = header.stored_length or header.raw_length
         meta = replace(meta, durability=max(meta.durability, TIER_DURABILITY[name]))
@@ -328,7 +329,8 @@ class TieredStore:
         base = prev or StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), created=now,
                                  model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id)
         return replace(base, acked=False, durability=max(durability, base.durability), last_access=now,
-                       size_bytes=record.nbytes, hints=hints or base.hints)
+                       size_bytes=record.nbytes, hints=hints or base.hints,
+                       token_start=h.token_start, token_end=h.token_end)
 
     async def _put_claimed(self, record: Record, durability: Durability, required: TierName,
                            pin: bool, op: _Op) -> PutResult:
@@ -552,7 +554,8 @@ class TieredStore:
         h = record.header
         meta = StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind),
                          durability=TIER_DURABILITY[source], acked=True, created=h.created_at_ns / 1e9,
-                         model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id)
+                         model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id,
+                         token_start=h.token_start, token_end=h.token_end)
         return meta.with_copy(source, self._tiers[source].footprint(record))
 
     # ----- lookup, pins, explicit eviction ---------------------------------------------------
@@ -615,6 +618,35 @@ class TieredStore:
 
     def meta(self, key: RecordKey) -> StateMeta | None:
         return self._index.get(key)
+
+    def explain(self, key: RecordKey) -> dict[str, object] | None:
+        """Why the record is where it is, for `statestore inspect`; None if the key is unknown.
+
+        Always: residency, pin, durability, and what protects each copy from eviction. A policy
+        that can explain itself (`explain_dict(meta, tiers)`, e.g. `CostAwarePolicy`) adds its
+        reasoning (value, P(reuse), rebuild vs load seconds, fill) under "policy"; a policy
+        that raises there is reported, not propagated (the policy boundary).
+        """
+        meta = self._index.get(key)
+        if meta is None:
+            return None
+        policy = self._invoker.policy
+        out: dict[str, object] = {
+            "key": key.hex(), "kind": meta.kind, "size_bytes": meta.size_bytes,
+            "retention": meta.retention.name, "durability": meta.durability.name, "pinned": meta.pinned,
+            "acked": meta.acked, "tiers": {t.value: n for t, n in meta.resident},
+            "last_access": meta.last_access, "access_count": meta.access_count,
+            "protected": {t.value: eviction_block_reason(meta, t) for t in meta.tiers},
+            "policy_name": policy.name,
+        }
+        explain = getattr(policy, "explain_dict", None)
+        if callable(explain):
+            try:
+                out["policy"] = explain(meta, self._costs())
+            except Exception as exc:  # noqa: BLE001 - the policy boundary: inspect must not fail
+                logger.warning("policy %s: explain_dict raised", policy.name, exc_info=True)
+                out["policy"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
 
     def __len__(self) -> int:
         return len(self._index)

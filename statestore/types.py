@@ -84,6 +84,15 @@ class StateMeta:
     hints: PutHints | None = None
     model_fingerprint: bytes = b""
     tenant_id: bytes = b""
+    # The record's token range (from its header): what a cost-aware policy prices a rebuild
+    # by. (0, 0) = unknown (a per-sequence record or an index built before these fields).
+    token_start: int = 0
+    token_end: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the record covers (0 when unknown or per sequence)."""
+        return self.token_end - self.token_start
 
     @property
     def tiers(self) -> frozenset[TierName]:
