@@ -52,12 +52,15 @@ def make_dir_durable(path: Path) -> None:
     """Create `path` if missing and make its entry durable in its (existing) parent.
 
     A record is only durable if every directory on its path is, so a directory created for
-    it must be fsynced into its parent before the record is acknowledged.
+    it must be fsynced into its parent before the record is acknowledged. The parent is
+    fsynced even when the directory already exists: another thread (or a process that died)
+    may have created it without having fsynced the parent yet. Callers remember which
+    directories they made durable, so this runs once per directory and process.
     """
     try:
         os.mkdir(path)
     except FileExistsError:
-        return
+        pass
     fsync_dir(path.parent)
 
 
