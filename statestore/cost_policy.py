@@ -1,0 +1,301 @@
+"""The cost-aware placement policy: recompute versus store (DESIGN.md §5).
+
+For a record r and a tier X the policy prices what a copy in X is worth:
+
+    value_X(r)   = P(reuse within H_X) x (fallback_X(r) - load_X(r))     seconds saved
+    density_X(r) = value_X(r) / bytes_X(r)                             seconds per byte held
+
+- load_X = latency_X + bytes / bandwidth_X (the `TierCost`, from the calibration profile);
+- fallback_X = what a reader pays without this copy: the fastest other copy's load, else the
+  rebuild. Rebuild of a REBUILDABLE record (SWA rings, tails) = a bounded replay of R rows; of
+  a MUST_KEEP global block = an encoder pass over its tokens plus the W - 1 lead-in, given its
+  predecessors (`EngineProfile.block_rebuild_s`);
+- P(reuse): pinned = 1; session hints (`PutHints.expected_return_s`, `ttl_s`) when given;
+  otherwise learned per tenant (`statestore.reuse.ReuseEstimator`: P(next | accesses so far)
+  and the gap distribution, conditioned on the idle time);
+- H_X, the holding horizon of X: how long a byte stays in X before the tier turns over
+  (budget / observed inflow, Che's characteristic time); the shadow price of a full tier is
+  the value of what it last evicted.
+
+Decisions: admit into a tier only where the copy saves time (and, for SSD, more than its
+write costs); evict lowest density first. The eviction score is time-invariant so the
+store's heap can cache it: score = last_access + tau x ln(density / D_REF), the time at which
+the record's value per byte, decaying with the tenant's mean gap tau, falls to a reference.
+With equal densities this is exactly LRU; a record worth k times more per byte is kept
+tau x ln(k) seconds longer. Demotion is eviction of the copy that saves least: a host copy
+of a record also on SSD only saves the SSD load, so it goes before host-only records.
+
+The policy is a pure function of `StateMeta`, `TierCost` and what it learned through its
+hooks; it never reads a clock or touches storage ("now" is the latest access it has seen).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine_adapter.base import Retention, StateKind
+from statestore.policy import PlacementPolicy, required_tier, take_until_covered
+from statestore.profile import CostProfile, EngineProfile
+from statestore.reuse import ReuseConfig, ReuseEstimator
+from statestore.types import TIER_ORDER, PlacementDecision, StateMeta, TierCost, TierName
+from tiers.record import RecordKey
+
+D_REF = 1e-9  # reference density (seconds saved per byte) of the score's zero point
+PINNED_SCORE = 1e30  # finite, above every real score (pinned copies are never candidates anyway)
+_LOG_CLAMP = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostPolicyConfig:
+    """Knobs of the cost-aware policy (the cost constants come from the `CostProfile`)."""
+
+    hint_confidence: float = 0.9  # P(the session comes back when its hint says)
+    min_horizon_s: float = 1.0
+    max_horizon_s: float = 86_400.0  # also the horizon of an unbounded tier
+    admit_fill: float = 0.9  # above this fill a new copy must beat the tier's shadow price
+    ssd_write_weight: float = 1.0  # SSD write seconds count this much against admitting a copy
+    shadow_decay: float = 0.05  # EWMA weight of each removed copy's score in the shadow price
+    reuse: ReuseConfig = ReuseConfig()
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.hint_confidence <= 1.0:
+            raise ValueError(f"hint_confidence must lie in (0, 1], got {self.hint_confidence}")
+        if not 0 < self.min_horizon_s <= self.max_horizon_s:
+            raise ValueError("need 0 < min_horizon_s <= max_horizon_s")
+
+
+@dataclass(frozen=True, slots=True)
+class TierValue:
+    """The priced view of one record in one tier (what `explain` reports)."""
+
+    tier: TierName
+    p_reuse: float
+    horizon_s: float
+    load_s: float
+    fallback_s: float
+    bytes: int
+    value_s: float  # P(reuse) x (fallback - load)
+    density: float  # value per byte
+    score: float  # the eviction score (time-invariant; lower goes first)
+    fill: float
+
+
+class CostAwarePolicy(PlacementPolicy):
+    """Admission, tier choice, demotion and eviction by value per byte (module docstring).
+
+    Args:
+        profile: the engine and tier costs (`statestore calibrate`); tier latency and
+            bandwidth reach the policy through the store's `TierCost`s, built from the same
+            profile via `StoreConfig(tier_profiles=profile.tier_profiles())`.
+        config: `CostPolicyConfig`.
+    """
+
+    name = "cost"
+
+    def __init__(self, profile: CostProfile, config: CostPolicyConfig | None = None) -> None:
+        self.profile = profile
+        self.engine: EngineProfile = profile.engine
+        self.config = config or CostPolicyConfig()
+        self.reuse = ReuseEstimator(self.config.reuse)
+        self._now = 0.0
+        self._inflow: dict[TierName, tuple[float, int]] = {}  # tier -> (first put time, bytes put)
+        self._shadow: dict[TierName, float] = {}  # tier -> EWMA of removed copies' scores
+        self._seen_costs: dict[TierName, TierCost] = {}  # the latest TierCost of each tier
+
+    # ----- costs ---------------------------------------------------------------------------
+
+    def rebuild_s(self, meta: StateMeta) -> float:
+        """Seconds to rebuild the record if no tier held it."""
+        e = self.engine
+        end = meta.token_end or e.block_tokens
+        if meta.retention is Retention.REBUILDABLE:
+            return e.ring_rebuild_s(end)
+        if meta.kind == StateKind.TOKENS:
+            return end * e.prefill_s(end)  # token ids cannot be derived: the client re-sends, we re-prefill
+        start = meta.token_start if meta.token_end else 0
+        return e.block_rebuild_s(start, end)
+
+    def horizon_s(self, tier: TierCost) -> float:
+        """How long a byte stays in `tier` before it turns over: budget / inflow (clamped)."""
+        c = self.config
+        first, nbytes = self._inflow.get(tier.tier, (self._now, 0))
+        elapsed = self._now - first
+        if not tier.budget_bytes or nbytes <= 0 or elapsed <= 0:
+            return c.max_horizon_s
+        return min(c.max_horizon_s, max(c.min_horizon_s, tier.budget_bytes / (nbytes / elapsed)))
+
+    def p_reuse(self, meta: StateMeta, horizon_s: float, idle_s: float) -> tuple[float, str]:
+        """P(read again within `horizon_s`, after `idle_s` idle) and where the estimate comes from."""
+        hints = meta.hints
+        if meta.pinned:
+            return 1.0, "pinned"
+        if hints is not None and hints.ttl_s is not None and idle_s >= hints.ttl_s:
+            return 0.0, f"hint: ttl {hints.ttl_s:g} s expired"
+        if hints is not None and hints.expected_return_s is not None:
+            r = hints.expected_return_s
+            remaining = r - idle_s
+            conf = self.config.hint_confidence
+            if remaining >= 0:
+                p = conf * min(1.0, horizon_s / max(remaining, 1e-9))
+            else:  # overdue: the longer late, the less likely
+                p = conf * math.exp(-(-remaining) / max(r, 60.0))
+            return p, f"hint: returns {r:g} s after its last access"
+        count = max(1, self.reuse.access_count(meta.key))
+        p = self.reuse.p_reuse_within(meta.tenant_id, count, idle_s, horizon_s)
+        gaps = self.reuse.num_gaps(meta.tenant_id)
+        return p, (f"learned: {count} access(es), P(next)={self.reuse.p_next(meta.tenant_id, count):.2f}, "
+                   f"{gaps} tenant gaps, mean {self.reuse.mean_gap_s(meta.tenant_id):.3g} s")
+
+    def price(self, meta: StateMeta, tier: TierCost, tiers: Mapping[TierName, TierCost] | None = None,
+              *, idle_s: float = 0.0) -> TierValue:
+        """Value of holding `meta` in `tier`; `tiers` (all present tiers) finds the fallback copy."""
+        self._seen_costs[tier.tier] = tier
+        nbytes = meta.resident_bytes(tier.tier) or meta.size_bytes
+        load = tier.load_time_s(meta.size_bytes)
+        fallback = self.rebuild_s(meta)
+        for other in (tiers or self._seen_costs).values():
+            if other.tier is not tier.tier and other.tier in meta.tiers and other.healthy:
+                fallback = min(fallback, other.load_time_s(meta.size_bytes))
+        horizon = self.horizon_s(tier)
+        p, _ = self.p_reuse(meta, horizon, idle_s)
+        value = p * max(0.0, fallback - load)
+        density = value / max(1, nbytes)
+        return TierValue(tier.tier, p, horizon, load, fallback, nbytes, value, density,
+                         self._score(meta, density), tier.fill)
+
+    def _score(self, meta: StateMeta, density: float) -> float:
+        if meta.pinned:
+            return PINNED_SCORE
+        tau = min(self.config.max_horizon_s, max(1.0, self.reuse.mean_gap_s(meta.tenant_id)))
+        log_ratio = math.log(density / D_REF) if density > 0 else -_LOG_CLAMP
+        score = meta.last_access + tau * max(-_LOG_CLAMP, min(_LOG_CLAMP, log_ratio))
+        if meta.hints is not None and meta.hints.ttl_s is not None:
+            score = min(score, meta.last_access + meta.hints.ttl_s)
+        return score
+
+    # ----- decisions ------------------------------------------------------------------------
+
+    def decide_put(self, meta: StateMeta, tiers: Mapping[TierName, TierCost]) -> PlacementDecision:
+        """The durability tier, then host and SSD where a copy pays for itself.
+
+        Tiers are priced fastest first, each by its marginal value: an SSD copy next to a host
+        copy only helps if the record is read after the host copy has turned over, i.e. with
+        P(reuse within H_ssd) - P(reuse within H_host).
+        """
+        self._see(meta)
+        self._seen_costs.update(tiers)
+        required = required_tier(meta.durability, tiers)
+        chosen: set[TierName] = {required} if required is not None else set()
+        covered = 0.0
+        for name in (TierName.HOST, TierName.SSD):
+            if name not in tiers:
+                continue
+            v = self.price(meta, tiers[name], tiers)
+            if name in chosen or self._admits(v, tiers[name], meta.size_bytes, covered):
+                chosen.add(name)
+                covered = max(covered, v.p_reuse)
+        return frozenset(chosen)
+
+    def decide_promote(self, meta: StateMeta, source: TierName,
+                       tiers: Mapping[TierName, TierCost]) -> PlacementDecision:
+        self._see(meta)
+        host = tiers.get(TierName.HOST)
+        if host is None or TIER_ORDER.index(TierName.HOST) >= TIER_ORDER.index(source):
+            return frozenset()
+        v = self.price(meta, host, tiers)
+        return frozenset({TierName.HOST}) if self._admits(v, host, meta.size_bytes, 0.0) else frozenset()
+
+    def _admits(self, v: TierValue, tier: TierCost, size_bytes: int, covered: float) -> bool:
+        """Admit where the copy's marginal value is positive, pays for an SSD write, and beats
+        the shadow price of a full tier (the score of what it has been evicting)."""
+        if not tier.healthy:
+            return False
+        marginal = max(0.0, v.p_reuse - covered) * max(0.0, v.fallback_s - v.load_s)
+        if marginal <= 0:
+            return False
+        if tier.tier is TierName.SSD and marginal < self.config.ssd_write_weight * size_bytes / tier.bandwidth_bytes_per_s:
+            return False
+        if tier.fill >= self.config.admit_fill and tier.tier in self._shadow:
+            return v.score >= self._shadow[tier.tier]
+        return True
+
+    def eviction_score(self, meta: StateMeta, tier: TierCost) -> float:
+        return self.price(meta, tier).score
+
+    def decide_eviction(self, candidates: Sequence[StateMeta], need_bytes: int, tier: TierCost) -> list[RecordKey]:
+        """Lowest value per byte now first (idle time included); ties by score, i.e. LRU.
+
+        The store's heap orders by the cached, time-invariant score; that picks the window.
+        Within it the policy prices each candidate as of now, which also orders records of
+        tenants whose values decay at different rates correctly.
+        """
+        def now_value(m: StateMeta) -> tuple[float, float]:
+            v = self.price(m, tier, idle_s=max(0.0, self._now - m.last_access))
+            return v.density, v.score
+
+        return take_until_covered(sorted(candidates, key=now_value), need_bytes, tier.tier)
+
+    # ----- hooks (the learned state) -----------------------------------------------------------
+
+    def on_put(self, meta: StateMeta, tiers: frozenset[TierName]) -> None:
+        self._see(meta)
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
+        for name in tiers:
+            first, nbytes = self._inflow.get(name, (meta.last_access, 0))
+            self._inflow[name] = (first, nbytes + meta.resident_bytes(name))
+
+    def on_access(self, meta: StateMeta, tier: TierName) -> None:
+        self._see(meta)
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
+
+    def on_remove(self, meta: StateMeta, tier: TierName) -> None:
+        """The removed copy's score moves the tier's shadow price (what a new copy must beat)."""
+        cost = self._seen_costs.get(tier)
+        if cost is None:
+            return
+        score = self.price(meta, cost).score
+        old = self._shadow.get(tier)
+        a = self.config.shadow_decay
+        self._shadow[tier] = score if old is None else (1 - a) * old + a * score
+
+    def _see(self, meta: StateMeta) -> None:
+        self._now = max(self._now, meta.last_access)
+
+    # ----- explanations ---------------------------------------------------------------------------
+
+    def explain_dict(self, meta: StateMeta, tiers: Mapping[TierName, TierCost]) -> dict[str, Any]:
+        """Why `meta` is where it is: per present tier, P(reuse), load vs fallback, value, fill."""
+        idle = max(0.0, self._now - meta.last_access)
+        per_tier = {}
+        for name, cost in tiers.items():
+            v = self.price(meta, cost, tiers, idle_s=idle)
+            per_tier[name.value] = {
+                "resident": name in meta.tiers, "p_reuse": v.p_reuse, "horizon_s": v.horizon_s,
+                "load_s": v.load_s, "fallback_s": v.fallback_s, "bytes": v.bytes, "value_s": v.value_s,
+                "value_per_byte": v.density, "score": v.score, "fill": v.fill,
+                "shadow_price": self._shadow.get(name),
+            }
+        _, source = self.p_reuse(meta, self.config.max_horizon_s, idle)
+        return {"policy": self.name, "now": self._now, "idle_s": idle, "rebuild_s": self.rebuild_s(meta),
+                "retention": meta.retention.name, "reuse_source": source, "tiers": per_tier,
+                "summary": self._summary(meta, per_tier, idle, source)}
+
+    def explain(self, meta: StateMeta, tiers: Mapping[TierName, TierCost]) -> str:
+        """One paragraph a person can read (`explain_dict(...)["summary"]`)."""
+        return str(self.explain_dict(meta, tiers)["summary"])
+
+    def _summary(self, meta: StateMeta, per_tier: Mapping[str, Mapping[str, Any]], idle: float, source: str) -> str:
+        where = ", ".join(t.value for t in sorted(meta.tiers, key=TIER_ORDER.index)) or "no tier"
+        parts = [f"{meta.retention.name} record of {meta.size_bytes} B in {where}; idle {idle:.3g} s; "
+                 f"rebuild {self.rebuild_s(meta) * 1e3:.3g} ms; reuse from {source}."]
+        if meta.pinned:
+            parts.append("Pinned: never evicted.")
+        for name, v in per_tier.items():
+            verdict = "held" if v["resident"] else "not held"
+            parts.append(f"{name}: {verdict}; P(reuse within {v['horizon_s']:.3g} s)={v['p_reuse']:.3f}, "
+                         f"load {v['load_s'] * 1e3:.3g} ms vs without it {v['fallback_s'] * 1e3:.3g} ms, "
+                         f"value {v['value_s'] * 1e3:.3g} ms = {v['value_per_byte']:.3g} s/B, fill {v['fill']:.0%}.")
+        return " ".join(parts)

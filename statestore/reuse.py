@@ -1,0 +1,156 @@
+"""How likely a record is to be read again, and when: learned per tenant from observed gaps.
+
+`ReuseEstimator` is the learned half of the cost-aware policy's P(reuse). It sees accesses
+only through the policy's hooks (no I/O, no clock: time is the records' own timestamps), and
+keeps, per tenant:
+
+- `P(next | n)`: the chance that a record accessed n times is accessed again, from counts of
+  records that reached n accesses and of those that went on to n + 1 (n capped at
+  `max_rank`). Frequency is what LRU ignores: a block read twice is far likelier to be read
+  a third time than a block read once is to be read a second time.
+- the gap distribution: the empirical CDF of the last `max_gaps` inter-access gaps, mixed
+  with an exponential tail so that an idle time past every observed gap is unlikely, not
+  impossible.
+
+With both, P(reuse within H | n accesses, idle a) = p·(F(a+H) − F(a)) / (p·(1 − F(a)) + 1 − p):
+Bayes on "another access is coming" given that none came for `a` seconds. That is what makes
+a record's value fall while it sits idle (demotion and eviction over idle time).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseConfig:
+    prior_p_next: float = 0.5  # P(another access) before anything is learned
+    prior_gap_s: float = 300.0  # mean gap before anything is learned
+    prior_weight: float = 2.0  # pseudo-counts the prior is worth
+    max_rank: int = 4  # access counts at or above this share one P(next)
+    max_gaps: int = 2048  # gap samples kept per tenant
+    max_keys: int = 1 << 18  # keys whose access history is remembered (live and removed)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.prior_p_next < 1.0:
+            raise ValueError(f"prior_p_next must lie in (0, 1), got {self.prior_p_next}")
+        if self.prior_gap_s <= 0 or self.prior_weight <= 0 or self.max_rank < 1 or self.max_gaps < 1:
+            raise ValueError("ReuseConfig: prior_gap_s, prior_weight, max_rank and max_gaps must be positive")
+
+
+@dataclass(slots=True)
+class _TenantStats:
+    reached: list[int]  # reached[n]: records that reached n accesses (index 0 unused)
+    went_on: list[int]  # went_on[n]: of those, records accessed once more
+    gaps: deque[float]
+    sorted_gaps: list[float] = field(default_factory=list)
+    gap_sum: float = 0.0
+
+
+@dataclass(slots=True)
+class _History:
+    count: int  # accesses seen, the put included
+    last: float  # time of the latest one
+
+
+class ReuseEstimator:
+    """Per-tenant P(next access) by access count, and the inter-access gap distribution."""
+
+    def __init__(self, config: ReuseConfig | None = None) -> None:
+        self.config = config or ReuseConfig()
+        self._tenants: dict[bytes, _TenantStats] = {}
+        self._history: OrderedDict[bytes, _History] = OrderedDict()
+
+    # ----- learning -------------------------------------------------------------------
+
+    def observe(self, key: bytes, tenant: bytes, when: float) -> None:
+        """An access (a put or a hit) of `key` at `when`: a reuse if the key was seen before.
+
+        Keys are remembered after their records are gone (up to `max_keys`), so a block that
+        is rebuilt and put again after an eviction still counts as a reuse.
+        """
+        stats = self._stats(tenant)
+        h = self._history.get(key)
+        if h is None:
+            h = self._history[key] = _History(0, when)
+            if len(self._history) > self.config.max_keys:
+                self._history.popitem(last=False)
+        else:
+            self._history.move_to_end(key)
+            stats.went_on[self._rank(h.count)] += 1
+            self._add_gap(stats, max(0.0, when - h.last))
+        h.count += 1
+        h.last = max(h.last, when)
+        stats.reached[self._rank(h.count)] += 1
+
+    def _add_gap(self, stats: _TenantStats, gap: float) -> None:
+        if len(stats.gaps) == stats.gaps.maxlen:
+            old = stats.gaps.popleft()
+            stats.gap_sum -= old
+            del stats.sorted_gaps[bisect.bisect_left(stats.sorted_gaps, old)]
+        stats.gaps.append(gap)
+        stats.gap_sum += gap
+        bisect.insort(stats.sorted_gaps, gap)
+
+    # ----- estimates --------------------------------------------------------------------
+
+    def access_count(self, key: bytes) -> int:
+        """Accesses of `key` seen so far (0 if never seen or forgotten)."""
+        h = self._history.get(key)
+        return h.count if h else 0
+
+    def p_next(self, tenant: bytes, count: int) -> float:
+        """P(a record of `tenant` accessed `count` times is accessed again)."""
+        c = self.config
+        stats = self._tenants.get(tenant)
+        n = self._rank(max(1, count))
+        reached = stats.reached[n] if stats else 0
+        went_on = stats.went_on[n] if stats else 0
+        return (went_on + c.prior_p_next * c.prior_weight) / (reached + c.prior_weight)
+
+    def mean_gap_s(self, tenant: bytes) -> float:
+        c = self.config
+        stats = self._tenants.get(tenant)
+        n = len(stats.gaps) if stats else 0
+        total = stats.gap_sum if stats else 0.0
+        return (total + c.prior_gap_s * c.prior_weight) / (n + c.prior_weight)
+
+    def num_gaps(self, tenant: bytes) -> int:
+        stats = self._tenants.get(tenant)
+        return len(stats.gaps) if stats else 0
+
+    def gap_cdf(self, tenant: bytes, t: float) -> float:
+        """P(gap <= t): empirical, mixed with an exponential tail of weight prior/(n + prior)."""
+        if t <= 0:
+            return 0.0
+        c = self.config
+        stats = self._tenants.get(tenant)
+        n = len(stats.gaps) if stats else 0
+        w_prior = c.prior_weight / (n + c.prior_weight)
+        tail_mean = max(self.mean_gap_s(tenant), stats.sorted_gaps[-1] if n else 0.0)
+        expo = 1.0 - math.exp(-t / max(tail_mean, 1e-9))
+        emp = bisect.bisect_right(stats.sorted_gaps, t) / n if n else 0.0
+        return (1.0 - w_prior) * emp + w_prior * expo
+
+    def p_reuse_within(self, tenant: bytes, count: int, idle_s: float, horizon_s: float) -> float:
+        """P(the next access comes within `horizon_s`, given `count` accesses and `idle_s` idle)."""
+        p = self.p_next(tenant, count)
+        f_a = self.gap_cdf(tenant, idle_s)
+        f_ah = self.gap_cdf(tenant, idle_s + horizon_s)
+        denom = p * (1.0 - f_a) + (1.0 - p)
+        return max(0.0, min(1.0, p * (f_ah - f_a) / denom)) if denom > 0 else 0.0
+
+    # ----- internals ------------------------------------------------------------------------
+
+    def _rank(self, count: int) -> int:
+        return min(count, self.config.max_rank)
+
+    def _stats(self, tenant: bytes) -> _TenantStats:
+        stats = self._tenants.get(tenant)
+        if stats is None:
+            size = self.config.max_rank + 1
+            stats = self._tenants[tenant] = _TenantStats([0] * size, [0] * size, deque(maxlen=self.config.max_gaps))
+        return stats
