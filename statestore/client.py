@@ -24,7 +24,7 @@ import grpc
 
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
 from statestore.types import Durability
-from statestore.wire import encoded_size, join_parts, record_parts
+from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
 from tiers.record import TENANT_BYTES, Record
 
 DEFAULT_CHUNK_BYTES = 512 << 10
@@ -247,6 +247,13 @@ class StateStoreClient:
         else:
             self._channel = grpc.aio.insecure_channel(self.target, options=opts)
         self._store = statestore_pb2_grpc.StateStoreStub(self._channel)
+        # The record data path passes serialized RecordChunk frames (statestore.wire) to save copies.
+        self._put = self._channel.stream_unary(
+            "/statestore.v1.StateStore/PutRecords", request_serializer=_serialize_chunk,
+            response_deserializer=statestore_pb2.PutRecordsResponse.FromString)
+        self._get = self._channel.unary_stream(
+            "/statestore.v1.StateStore/GetRecords", request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,
+            response_deserializer=None)
         self._sessions = sessions_pb2_grpc.SessionsStub(self._channel)
 
     async def aclose(self) -> None:
@@ -300,29 +307,34 @@ class StateStoreClient:
             record = Record(replace(record.header, tenant_id=bytes(TENANT_BYTES)), record.payload)
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
                 key=record.key, total_bytes=encoded_size(record), durability=int(durability), pin=pin))
-            for part in record_parts(record, step):
-                yield common_pb2.RecordChunk(data=part)
+            for frame in record_frames(record, step):
+                yield frame  # a serialized RecordChunk{data}
 
     async def put_records(self, records: Sequence[Record], durability: Durability = Durability.MEMORY, *,
                           pin: bool = False) -> list[PutInfo]:
         """Store records (the server stamps the caller's tenant). All are verified before any is stored."""
-        reply = await self._call(self._store.PutRecords, self._chunks(records, durability, pin))
+        reply = await self._call(self._put, self._chunks(records, durability, pin))
         return [PutInfo(bytes(r.key), Durability(r.durability), tuple(r.tiers), r.evicted) for r in reply.results]
 
     async def put_raw(self, chunks: Iterable[Any] | AsyncIterator[Any]) -> list[PutInfo]:
         """Send hand-made `RecordChunk`s (tests and tools that exercise the stream protocol)."""
-        reply = await self._call(self._store.PutRecords, chunks)
+        reply = await self._call(self._put, chunks)
         return [PutInfo(bytes(r.key), Durability(r.durability), tuple(r.tiers), r.evicted) for r in reply.results]
 
     async def get_records(self, keys: Sequence[bytes], *, chunk_bytes: int = 0) -> list[Record | None]:
         """The records (None for a miss), each reassembled and verified by its checksums."""
-        call = self._store.GetRecords(statestore_pb2.GetRecordsRequest(keys=list(keys), chunk_bytes=chunk_bytes),
-                                      metadata=self._metadata, timeout=self.options.timeout_s)
+        call = self._get(statestore_pb2.GetRecordsRequest(keys=list(keys), chunk_bytes=chunk_bytes),
+                         metadata=self._metadata, timeout=self.options.timeout_s)
         out: list[Record | None] = []
         pending: tuple[bytes, int] | None = None
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         try:
-            async for chunk in call:
+            async for frame in call:
+                data = split_data_frame(frame)
+                if data is not None:
+                    parts.append(data)
+                    continue
+                chunk = common_pb2.RecordChunk.FromString(frame)
                 if chunk.WhichOneof("part") == "start":
                     if pending is not None:
                         out.append(await _decode(parts, pending[0], pending[1]))
@@ -430,7 +442,11 @@ def _name(method: Any) -> str:
     return raw.rsplit("/", 1)[-1]
 
 
-async def _decode(parts: list[bytes], key: bytes, total_bytes: int) -> Record:
+def _serialize_chunk(message: bytes | common_pb2.RecordChunk) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+async def _decode(parts: list[bytes | memoryview], key: bytes, total_bytes: int) -> Record:
     if total_bytes >= _OFFLOAD_BYTES:
         return await asyncio.to_thread(join_parts, parts, expect_key=key)
     return join_parts(parts, expect_key=key)

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -47,7 +49,7 @@ from statestore.config import ServiceConfig
 from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.metrics import ServiceMetrics, kind_name
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
-from statestore.wire import encoded_size, join_parts, record_parts
+from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, StateMeta, TierName
 from tiers.record import (
     HEADER_SIZE,
@@ -224,11 +226,26 @@ class _Reassembler:
 
     def __init__(self, max_record_bytes: int, max_stream_bytes: int) -> None:
         self._max_record, self._max_stream = max_record_bytes, max_stream_bytes
-        self.done: list[tuple[common_pb2.RecordStart, list[bytes]]] = []
+        self.done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]] = []
         self._start: common_pb2.RecordStart | None = None
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
         self._received = 0
         self._total = 0
+
+    def feed_frame(self, frame: bytes | common_pb2.RecordChunk) -> None:
+        """One message as the wire carried it: serialized bytes (the fast path), or a parsed chunk."""
+        if not isinstance(frame, bytes):
+            self.feed(frame)
+            return
+        data = split_data_frame(frame)
+        if data is not None:
+            self._feed_data(data)
+            return
+        try:
+            chunk = common_pb2.RecordChunk.FromString(frame)
+        except DecodeError:
+            raise _BadField(f"record {len(self.done)}: a message that is not a RecordChunk") from None
+        self.feed(chunk)
 
     def feed(self, chunk: common_pb2.RecordChunk) -> None:
         part = chunk.WhichOneof("part")
@@ -246,14 +263,18 @@ class _Reassembler:
                                 f"send them in several PutRecords calls")
             self._start = start
         elif part == "data":
-            if self._start is None:
-                raise _BadField(f"{where}: a data chunk came before its start message")
-            if self._received + len(chunk.data) > self._start.total_bytes:
-                raise _BadField(f"{where}: data exceeds start.total_bytes {self._start.total_bytes}")
-            self._parts.append(chunk.data)
-            self._received += len(chunk.data)
+            self._feed_data(chunk.data)
         else:
             raise _BadField(f"{where}: an empty RecordChunk (set start or data)")
+
+    def _feed_data(self, data: bytes | memoryview) -> None:
+        where = f"record {len(self.done)}"
+        if self._start is None:
+            raise _BadField(f"{where}: a data chunk came before its start message")
+        if self._received + len(data) > self._start.total_bytes:
+            raise _BadField(f"{where}: data exceeds start.total_bytes {self._start.total_bytes}")
+        self._parts.append(data)
+        self._received += len(data)
 
     def _finish(self) -> None:
         if self._start is None:
@@ -264,7 +285,7 @@ class _Reassembler:
         self.done.append((self._start, self._parts))
         self._start, self._parts, self._received = None, [], 0
 
-    def records(self) -> list[tuple[common_pb2.RecordStart, list[bytes]]]:
+    def records(self) -> list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]:
         self._finish()
         if not self.done:
             raise _BadField("PutRecords: the stream carried no records")
@@ -372,8 +393,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
     async def PutRecords(self, request_iterator: Any, context: Any, tenant: str) -> Any:
         owner = self._owner
         assembler = _Reassembler(owner.config.max_record_bytes, owner.config.max_stream_bytes)
-        async for chunk in request_iterator:
-            assembler.feed(chunk)
+        async for frame in request_iterator:
+            assembler.feed_frame(frame)
         parts = assembler.records()
         verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
         results = []
@@ -391,7 +412,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                                                         evicted=len(put.evicted)))
         return statestore_pb2.PutRecordsResponse(results=results)
 
-    async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes],
+    async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes | memoryview],
                       tenant: str) -> tuple[Record, common_pb2.RecordStart]:
         """Checksums, key, kind, model and tenant of one record; re-stamped with the caller's tenant."""
         _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
@@ -435,8 +456,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 continue
             total = encoded_size(record)
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
-            for part in record_parts(record, chunk):
-                yield common_pb2.RecordChunk(data=part)
+            for frame in record_frames(record, chunk):
+                yield frame  # a serialized RecordChunk{data}: see `serialize_chunk`
             self._calls.metrics.bytes_moved.labels("out").inc(total)
 
     async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
@@ -624,6 +645,30 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
 # ----- the server ----------------------------------------------------------------------------
 
 
+def serialize_chunk(message: bytes | common_pb2.RecordChunk) -> bytes:
+    """RecordChunk serializer that passes frames already serialized by `statestore.wire` through."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_statestore_servicer(servicer: StateStoreServicer, server: grpc.aio.Server) -> None:
+    """The generated `add_StateStoreServicer_to_server`, except on the record data path:
+    PutRecords gets its messages as bytes (data chunks are read without a protobuf copy) and
+    GetRecords may yield serialized frames. The wire format is unchanged."""
+    service = statestore_pb2.DESCRIPTOR.services_by_name["StateStore"]
+    handlers = {}
+    for method in service.methods:
+        deserialize = None if method.name == "PutRecords" else GetMessageClass(method.input_type).FromString
+        serialize = serialize_chunk if method.name == "GetRecords" else \
+            GetMessageClass(method.output_type).SerializeToString
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[method.client_streaming, method.server_streaming]
+        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=deserialize,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def load_secret(path: Path) -> bytes:
     """The service secret (tenant key salts derive from it), created once per data dir (0600).
 
@@ -713,7 +758,7 @@ class StateStoreServer:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", c.max_message_bytes),
                                           ("grpc.max_send_message_length", c.max_message_bytes),
                                           ("grpc.so_reuseport", 0)])
-        statestore_pb2_grpc.add_StateStoreServicer_to_server(StateStoreServicer(self), server)
+        add_statestore_servicer(StateStoreServicer(self), server)
         sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

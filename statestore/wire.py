@@ -1,19 +1,62 @@
 """Records on the wire: split into chunks and reassembled with one copy of the payload.
 
 A record travels (in `RecordChunk.data` messages, after a `RecordStart`) as its encoded bytes
-(tiers/record.py): the 168-byte header, then the payload. The sender makes the header its
-own first chunk, so neither side ever builds the concatenated record: the sender slices the
-payload it has, the receiver joins the payload chunks once and verifies the header and
-payload checksums. Chunks split any other way (a foreign client) fall back to
+(tiers/record.py): the 168-byte header, then the payload. The sender puts the whole header at
+the front of the first chunk, so neither side ever builds the concatenated record: the
+sender slices the payload it has, the receiver joins the payload pieces once and verifies the
+header and payload checksums. Chunks split any other way (a foreign client) fall back to
 `decode_record` on the joined bytes: same checks, same error messages, one copy more.
-No protobuf here: server.py and client.py wrap these bytes in messages.
+Messages, not bytes, dominate the cost of small records, so the header never travels alone.
+
+The bulk data path also skips protobuf objects: a `RecordChunk` holding only `data` is, on
+the wire, the byte 0x12 (field 2, length-delimited), a varint length and the bytes, so
+`data_frame` builds that serialized message with one copy of the slice and
+`split_data_frame` reads it back without copying. Anything else (a `start`, or a frame a
+foreign client encoded differently) goes through the generated protobuf classes in
+server.py/client.py, which import them; this module imports no generated code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Union
 
 from tiers.record import HEADER_SIZE, Record, RecordError, decode_header, decode_record, encode_header, payload_checksum
+
+
+Buffer = Union[bytes, memoryview]
+_DATA_TAG = 0x12  # RecordChunk.data (proto/statestore/v1/common.proto): field 2, wire type 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def data_frame(*pieces: Buffer) -> bytes:
+    """The serialized `RecordChunk{data: pieces joined}`, built with one copy of the pieces."""
+    return b"".join((bytes((_DATA_TAG,)), _varint(sum(len(p) for p in pieces)), *pieces))
+
+
+def split_data_frame(frame: bytes) -> memoryview | None:
+    """The data of a serialized `RecordChunk` that holds exactly one `data` field (no copy), else None."""
+    if len(frame) < 2 or frame[0] != _DATA_TAG:
+        return None
+    length, shift, pos = 0, 0, 1
+    while pos < len(frame) and pos <= 10:
+        byte = frame[pos]
+        length |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return memoryview(frame)[pos:] if pos + length == len(frame) else None
+        shift += 7
+    return None
 
 
 def encoded_size(record: Record) -> int:
@@ -21,23 +64,29 @@ def encoded_size(record: Record) -> int:
     return HEADER_SIZE + len(record.payload)
 
 
-def record_parts(record: Record, chunk_bytes: int) -> Iterator[bytes]:
-    """The encoded record as chunks: the header alone, then payload slices of `chunk_bytes`."""
+def record_frames(record: Record, chunk_bytes: int) -> Iterator[bytes]:
+    """The encoded record as serialized `RecordChunk{data}` frames of at most `chunk_bytes`
+    (> HEADER_SIZE) data bytes: the header and the payload's start, then payload slices."""
+    if chunk_bytes <= HEADER_SIZE:
+        raise ValueError(f"chunk_bytes {chunk_bytes} must exceed the {HEADER_SIZE}-byte header")
     payload = record.payload
-    yield encode_header(record.header, stored_length=len(payload), flags=0, checksum=payload_checksum(payload))
+    header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=payload_checksum(payload))
     view = memoryview(payload)
-    for offset in range(0, len(payload), chunk_bytes):
-        yield bytes(view[offset:offset + chunk_bytes])
+    first = chunk_bytes - HEADER_SIZE
+    yield data_frame(header, view[:first])
+    for offset in range(first, len(payload), chunk_bytes):
+        yield data_frame(view[offset:offset + chunk_bytes])
 
 
-def join_parts(parts: Sequence[bytes], *, expect_key: bytes | None = None) -> Record:
+def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None) -> Record:
     """Reassemble and verify a record from its chunks; RecordError says what is wrong."""
-    if not parts or len(parts[0]) != HEADER_SIZE:
+    if not parts or len(parts[0]) < HEADER_SIZE:
         return decode_record(b"".join(parts), expect_key=expect_key)
-    header, checksum = decode_header(parts[0])
+    first = memoryview(parts[0])
+    header, checksum = decode_header(first[:HEADER_SIZE])
     if header.flags:  # compressed: let decode_record handle it
         return decode_record(b"".join(parts), expect_key=expect_key)
-    payload = parts[1] if len(parts) == 2 else b"".join(parts[1:])
+    payload = b"".join((first[HEADER_SIZE:], *parts[1:]))  # the one copy
     if len(payload) < header.stored_length:
         raise RecordError(f"truncated payload: {len(payload)} of {header.stored_length} bytes")
     if len(payload) > header.stored_length:
@@ -46,4 +95,4 @@ def join_parts(parts: Sequence[bytes], *, expect_key: bytes | None = None) -> Re
         raise RecordError("payload checksum mismatch: the payload is corrupt")
     if expect_key is not None and header.key != expect_key:
         raise RecordError("record key does not match the key it was stored under")
-    return Record(header, bytes(payload))
+    return Record(header, payload)

@@ -1,0 +1,258 @@
+"""Service benchmark (DESIGN.md §7): Lookup ops/s and p50/p99 latency with 1..64 concurrent
+clients, and PutRecords/GetRecords GB/s for 256 KiB..4 MiB records, each against a raw gRPC
+echo service (a generic handler moving the same bytes in the same chunks) in the same run.
+
+    python -m bench.server [--quick]
+
+Both servers live in this process on loopback, as do the clients, so the ratio measures what
+the statestore layer (record encoding, checksums, verification, the store) costs on top of
+gRPC itself; absolute figures on a shared 2-core CPU are relative only.
+
+Floors: record streaming (put and get, at every record size) >= 70% of the raw echo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import struct
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.common import Floor, print_floors, print_table, write_results
+from statestore.client import ClientOptions, StateStoreClient
+from statestore.config import ServiceConfig
+from statestore.server import StateStoreServer
+from statestore.types import Durability
+from tiers.record import Record, make_record
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 8 << 20
+ECHO = "/bench.v1.Echo/"
+
+
+# ----- the raw echo service --------------------------------------------------------------------
+
+
+def echo_handler(payload: bytes) -> grpc.GenericRpcHandler:
+    """Put: reassemble the chunks (as PutRecords does); Get: stream records of `payload` in chunks
+    (the client joins each record's chunks, as any client must to use the bytes); Lookup: echo
+    the request bytes. No serialisation: handlers see raw bytes."""
+
+    async def put(request_iterator: AsyncIterator[bytes], context: Any) -> bytes:
+        parts = [chunk async for chunk in request_iterator]
+        return len(b"".join(parts)).to_bytes(8, "little")
+
+    async def get(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        count, size, chunk = struct.unpack("<QQQ", request)
+        view = memoryview(payload)
+        for _ in range(count):
+            yield b"\x00" * 64  # the per-record start message
+            for offset in range(0, size, chunk):
+                yield bytes(view[offset:min(size, offset + chunk)])
+
+    async def lookup(request: bytes, context: Any) -> bytes:
+        return request
+
+    return grpc.method_handlers_generic_handler("bench.v1.Echo", {
+        "Put": grpc.stream_unary_rpc_method_handler(put),
+        "Get": grpc.unary_stream_rpc_method_handler(get),
+        "Lookup": grpc.unary_unary_rpc_method_handler(lookup),
+    })
+
+
+async def start_echo(payload: bytes) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server.add_generic_rpc_handlers((echo_handler(payload),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def channel(port: int) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+
+
+# ----- measurement helpers ---------------------------------------------------------------------
+
+
+async def closed_loop(concurrency: int, seconds: float, make_call: Callable[[int], Callable[[], Awaitable[Any]]]) -> dict[str, float]:
+    """`concurrency` clients calling back to back for `seconds`; ops/s and latency percentiles."""
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def client(i: int) -> None:
+        call = make_call(i)
+        await call()  # warm-up
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {"ops_s": len(latencies) / elapsed, "p50_ms": 1e3 * statistics.median(latencies),
+            "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+
+
+async def bench_lookup(srv: StateStoreServer, echo_port: int, levels: list[int], seconds: float,
+                       chain: list[bytes]) -> list[dict[str, Any]]:
+    from proto.statestore.v1 import statestore_pb2
+
+    rows = []
+    request = statestore_pb2.LookupRequest(block_keys=chain, num_tokens=len(chain) * 256).SerializeToString()
+    for level in levels:
+        clients = [StateStoreClient(f"127.0.0.1:{srv.port}") for _ in range(level)]
+        channels = [channel(echo_port) for _ in range(level)]
+        for c in clients:
+            c.open()
+        ours = await closed_loop(level, seconds, lambda i: lambda: clients[i].lookup(chain, num_tokens=len(chain) * 256))
+        echo = await closed_loop(level, seconds, lambda i: lambda: channels[i].unary_unary(ECHO + "Lookup")(request))
+        for c in clients:
+            await c.aclose()
+        for ch in channels:
+            await ch.close()
+        rows.append({"case": "lookup", "clients": level, "ops_s": ours["ops_s"], "p50_ms": ours["p50_ms"],
+                     "p99_ms": ours["p99_ms"], "echo_ops_s": echo["ops_s"], "echo_p50_ms": echo["p50_ms"],
+                     "echo_p99_ms": echo["p99_ms"], "ratio": ours["ops_s"] / echo["ops_s"]})
+    return rows
+
+
+def make_records(srv: StateStoreServer, size: int, count: int, tag: int) -> list[Record]:
+    payload = os.urandom(size)
+    return [make_record(1, 1, payload, model_fingerprint=srv.adapter.model_fingerprint, tenant_id=bytes(16),
+                        block_key=struct.pack("<QQ", tag, i) + bytes(16)) for i in range(count)]
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
+    """Best of `repeats` runs, in seconds (the bench calls it with 1 and alternates itself)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_bytes: int,
+                       repeats: int) -> dict[str, Any]:
+    count = max(2, total_bytes // size)
+    batch = max(1, min(count, (32 << 20) // size))  # records per call
+    records = make_records(srv, size, count, size)
+    options = ClientOptions(chunk_bytes=CHUNK_BYTES, max_message_bytes=MAX_MESSAGE_BYTES)
+
+    async def put(c: StateStoreClient) -> None:
+        for i in range(0, count, batch):
+            await c.put_records(records[i:i + batch], Durability.MEMORY)
+
+    async def get(c: StateStoreClient) -> None:
+        keys = [r.key for r in records]
+        for i in range(0, count, batch):
+            got = await c.get_records(keys[i:i + batch], chunk_bytes=CHUNK_BYTES)
+            assert all(r is not None for r in got)
+
+    payload = records[0].payload
+    ch = channel(echo_port)
+
+    async def chunks(n: int) -> AsyncIterator[bytes]:
+        view = memoryview(payload)
+        for _ in range(n):
+            yield b"\x00" * 64
+            for offset in range(0, size, CHUNK_BYTES):
+                yield bytes(view[offset:offset + CHUNK_BYTES])
+
+    async def echo_put() -> None:
+        for i in range(0, count, batch):
+            await ch.stream_unary(ECHO + "Put")(chunks(min(batch, count - i)))
+
+    async def echo_get() -> None:
+        for i in range(0, count, batch):
+            n = min(batch, count - i)
+            parts: list[bytes] = []
+            async for message in ch.unary_stream(ECHO + "Get")(struct.pack("<QQQ", n, size, CHUNK_BYTES)):
+                if len(message) == 64 and parts:  # the next record starts: join this one, as a client must
+                    b"".join(parts)
+                    parts = []
+                elif len(message) != 64:
+                    parts.append(message)
+            b"".join(parts)
+
+    # Alternate ours and the echo: the machine is shared, so noise is large and comes in
+    # phases; each ratio compares two runs adjacent in time, and the figure is their median.
+    # GB/s columns are the best run of each.
+    times: dict[str, list[float]] = {"put": [], "echo_put": [], "get": [], "echo_get": []}
+    async with StateStoreClient(f"127.0.0.1:{srv.port}", options=options) as c:
+        for _ in range(repeats):
+            times["put"].append(await timed(lambda: put(c), 1))
+            times["echo_put"].append(await timed(echo_put, 1))
+        for _ in range(repeats):
+            times["get"].append(await timed(lambda: get(c), 1))
+            times["echo_get"].append(await timed(echo_get, 1))
+        for r in records:
+            await srv.store.evict(r.key, force=True)
+    await ch.close()
+    moved = count * size
+    row: dict[str, Any] = {"case": "stream", "record_bytes": size, "records": count}
+    for name, runs in times.items():
+        row[f"{name}_gb_s"] = moved / min(runs) / 1e9
+    for d in ("put", "get"):
+        row[f"{d}_ratio"] = statistics.median(e / o for e, o in zip(times[f"echo_{d}"], times[d]))
+    return row
+
+
+async def run(quick: bool) -> None:
+    levels = [1, 4, 16, 64]
+    sizes = [256 << 10, 1 << 20, 4 << 20]
+    seconds = 1.0 if quick else 3.0
+    total = (16 << 20) if quick else (64 << 20)
+    repeats = 7 if quick else 9
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        config = ServiceConfig(listen="127.0.0.1:0", data_dir=Path(tmp), engine_preset="mini",
+                               max_message_bytes=MAX_MESSAGE_BYTES, host_budget_bytes=2 * total + (64 << 20))
+        srv = StateStoreServer(config)
+        await srv.start()
+        echo, echo_port = await start_echo(os.urandom(max(sizes)))
+        try:
+            chain = [struct.pack("<Q", i) + bytes(24) for i in range(16)]
+            lookup_rows = await bench_lookup(srv, echo_port, levels, seconds, chain)
+            stream_rows = [await bench_stream(srv, echo_port, size, total, repeats) for size in sizes]
+        finally:
+            await echo.stop(0)
+            await srv.stop(0)
+    print("Lookup (16-block chain) vs raw gRPC echo of the same request")
+    print_table(lookup_rows, ["clients", "ops_s", "p50_ms", "p99_ms", "echo_ops_s", "echo_p50_ms", "echo_p99_ms",
+                              "ratio"])
+    print("\nRecord streaming (1 MiB chunks) vs raw gRPC echo of the same bytes")
+    print_table(stream_rows, ["record_bytes", "records", "put_gb_s", "echo_put_gb_s", "put_ratio", "get_gb_s",
+                              "echo_get_gb_s", "get_ratio"])
+    floors = {f"{d}_{r['record_bytes'] >> 10}KiB_vs_echo": Floor(r[f"{d}_ratio"], 0.7)
+              for r in stream_rows for d in ("put", "get")}
+    print_floors(floors)
+    path = write_results("server", device="cpu",
+                         params={"quick": quick, "lookup_seconds": seconds, "stream_total_bytes": total,
+                                 "chunk_bytes": CHUNK_BYTES, "clients": levels, "record_sizes": sizes,
+                                 "engine": "mini", "repeats": repeats},
+                         rows=lookup_rows + stream_rows, floors=floors)
+    print(f"\nwrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a run under a minute on 2 cores")
+    args = parser.parse_args()
+    asyncio.run(run(args.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Records on the wire (statestore/wire.py): the hand-built frames are exactly the protobuf
+serialization of `RecordChunk{data}`, and reassembly accepts any split of the encoded record
+with the same checks and messages as `decode_record`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from proto.statestore.v1 import common_pb2
+from statestore.wire import data_frame, encoded_size, join_parts, record_frames, split_data_frame
+from tiers.record import HEADER_SIZE, RecordError, encode_record, make_record
+
+
+def record(nbytes: int):  # type: ignore[no-untyped-def]
+    return make_record(1, 1, os.urandom(nbytes), model_fingerprint=b"\x01" * 16, tenant_id=bytes(16),
+                       block_key=b"\x02" * 32, token_end=256)
+
+
+def same(a, b) -> bool:  # type: ignore[no-untyped-def]
+    """Equal records (decoding also records how the payload was stored: not part of identity)."""
+    return a.payload == b.payload and replace(a.header, stored_length=0, flags=0) == b.header
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 16383, 16384, 1 << 20])
+def test_data_frames_are_the_protobuf_serialization(n: int) -> None:
+    data = os.urandom(n)
+    frame = data_frame(data[: n // 2], memoryview(data)[n // 2:])
+    assert frame == common_pb2.RecordChunk(data=data).SerializeToString()
+    view = split_data_frame(frame)
+    assert view is not None and bytes(view) == data
+
+
+def test_other_messages_are_not_data_frames() -> None:
+    start = common_pb2.RecordChunk(start=common_pb2.RecordStart(key=b"k" * 34, total_bytes=9)).SerializeToString()
+    assert split_data_frame(start) is None
+    assert split_data_frame(b"") is None and split_data_frame(b"\x12\x05abc") is None  # length disagrees
+
+
+@pytest.mark.parametrize("nbytes, chunk", [(0, 1024), (100, 1024), (5000, 1024), (3 << 20, 1 << 20)])
+def test_frames_round_trip(nbytes: int, chunk: int) -> None:
+    r = record(nbytes)
+    frames = list(record_frames(r, chunk))
+    parts = [split_data_frame(f) for f in frames]
+    assert all(p is not None and len(p) <= chunk for p in parts)
+    assert sum(len(p) for p in parts) == encoded_size(r)  # type: ignore[arg-type]
+    assert b"".join(parts) == encode_record(r)  # type: ignore[arg-type]
+    assert same(join_parts(parts, expect_key=r.key), r)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cuts", [[], [10], [HEADER_SIZE], [HEADER_SIZE + 1, 300], [50, 100, 150, 2000]])
+def test_any_split_reassembles(cuts: list[int]) -> None:
+    r = record(4000)
+    data = encode_record(r)
+    bounds = [0, *cuts, len(data)]
+    assert same(join_parts([data[a:b] for a, b in zip(bounds, bounds[1:])], expect_key=r.key), r)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_corruption_and_mismatch_get_decode_records_messages(split: bool) -> None:
+    r = record(2000)
+    data = bytearray(encode_record(r))
+    data[-1] ^= 1
+    parts = [bytes(data[:HEADER_SIZE + 10]), bytes(data[HEADER_SIZE + 10:])] if split else [bytes(data[:50]), bytes(data[50:])]
+    with pytest.raises(RecordError, match="payload checksum mismatch"):
+        join_parts(parts)
+    good = encode_record(r)
+    with pytest.raises(RecordError, match="record key does not match"):
+        join_parts([good[:HEADER_SIZE + 5], good[HEADER_SIZE + 5:]], expect_key=b"\x00" * 34)
+    with pytest.raises(RecordError, match="truncated payload"):
+        join_parts([good[:HEADER_SIZE + 5], good[HEADER_SIZE + 5:-1]])
+    with pytest.raises(RecordError, match="trailing bytes"):
+        join_parts([good[:HEADER_SIZE + 5], good[HEADER_SIZE + 5:] + b"x"])
