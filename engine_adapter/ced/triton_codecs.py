@@ -1,0 +1,284 @@
+"""Triton kernels for the FP4 codecs of codecs.py, bit-identical to the torch versions.
+
+Why kernels: the torch codecs take ~10 elementwise passes (block amax, scale, divide, clamp,
+floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the input once
+and writes codes and scales once, so it runs at copy speed. Decode attention also needs
+only the top-k selected entries: `gather_dequantize_fp4` reads those packed rows (288 B) and
+writes bf16/fp32 rows, instead of keeping every entry dequantized and gathering from it.
+
+Bit-exactness with codecs.py, step by step (ENGINE.md §3 formulas):
+- amax: max |x| per block in float32; a NaN anywhere in a block makes its amax NaN (torch's
+  amax propagates NaN; `tl.max` would drop it, so NaN is tracked separately).
+- E4M3 scale: ``e4m3(max(amax, 6*2**-9) / 6)`` with a correctly rounded division
+  (`div_rn`), clamped at 448, then rounded to E4M3 nearest-even on the float32 bits (the
+  dropped-bit count is 20 for normals and grows below 2**-6, where E4M3 is subnormal).
+  Same double rounding as torch's float32 divide then float8 cast.
+- E8M0 scale: the biased exponent of ``max(amax, 6*2**-126) / 6``, plus one if any mantissa
+  bit is set (codecs._e8m0_bytes).
+- Codes: t = x / (s / 4) (correctly rounded, as torch divides), then the E2M1 code of t / 4
+  from integer-valued thresholds on |t| (1, 3, 5, 7, 10, 14, 20: every rounding threshold of
+  the grid times 4, ``>`` where the tie goes down to the even code, ``>=`` where it goes up),
+  sign bit for t < 0; NaN gives code 0. Equal to the 97-entry table of codecs.py for every t.
+- Decode: an E2M1 value (2 significant bits) times a scale (<= 4 significant bits) is exact
+  in float32, then one rounding to the output dtype, as `dequantize_fp4` does.
+
+Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests here).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .codecs import PackedFP4
+
+try:  # triton is optional: CPU-only installs use the torch codecs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+
+__all__ = ["available", "quantize_fp4_e4m3", "quantize_fp4_e8m0", "dequantize_fp4", "gather_dequantize_fp4"]
+
+_TARGET_ELEMS = 8192  # values per program: 16 rows of 512 or 64 rows of 128
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device | str) -> bool:
+    """True when the kernels can run on `device`: CUDA with triton, or any device when interpreting.
+
+    ``STATESTORE_TRITON=0`` turns them off (the engine then uses the torch codecs).
+    """
+    if triton is None or os.environ.get("STATESTORE_TRITON", "1") == "0":
+        return False
+    return torch.device(device).type == "cuda" or _interpreting()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_codes(t):
+        """E2M1 codes of t / 4 for float32 t (4x the scaled value); NaN -> 0."""
+        a = tl.abs(t)
+        mag = ((a > 1.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a > 5.0).to(tl.int32)
+               + (a >= 7.0).to(tl.int32) + (a > 10.0).to(tl.int32) + (a >= 14.0).to(tl.int32)
+               + (a > 20.0).to(tl.int32))
+        return mag | ((t < 0.0).to(tl.int32) << 3)
+
+    @triton.jit
+    def _e2m1_values(code):
+        """int32 E2M1 codes 0..15 -> float32 values (code 8 is -0.0)."""
+        m = code & 7
+        mf = m.to(tl.float32)
+        mag = tl.where(m < 4, mf * 0.5, tl.where(m < 6, mf - 2.0, tl.where(m == 6, 4.0, 6.0)))
+        # the sign goes in by its bit: `-x` is `0 - x` in triton, which turns -0.0 (code 8) into +0.0
+        return (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e4m3_round(v):
+        """float32 v in [2**-9, 448] (or NaN) -> (E4M3 byte as int32, its value as float32)."""
+        bits = v.to(tl.int32, bitcast=True)
+        exp = (bits >> 23) & 0xFF
+        drop = 20 + tl.maximum(121 - exp, 0)  # 121 = biased exponent of 2**-6, E4M3's smallest normal
+        lsb = tl.where(drop >= 23, 1, (bits >> drop) & 1)  # at 2**-9 the kept bit is the implicit one
+        rounded = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+        value = rounded.to(tl.float32, bitcast=True)
+        rexp = (rounded >> 23) & 0xFF
+        normal = ((rexp - 120) << 3) | ((rounded >> 20) & 7)
+        sub = (value * 512.0).to(tl.int32)
+        code = tl.where(rexp >= 121, normal, sub)
+        nan = v != v
+        return tl.where(nan, 0x7F, code), tl.where(nan, v, value)
+
+    @triton.jit
+    def _e4m3_decode(b):
+        """int32 E4M3 bytes -> float32 (0x7F / 0xFF are NaN)."""
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        value = (value.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
+
+    @triton.jit
+    def _e8m0_decode(b):
+        """int32 biased E8M0 bytes -> float32 2**(b - 127); 255 is NaN, 0 is 2**-127 (subnormal)."""
+        value = (b << 23).to(tl.float32, bitcast=True)
+        value = tl.where(b == 0, 5.877471754111438e-39, value)
+        return tl.where(b == 255, float("nan"), value)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                         D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """One program: ROWS rows of D values in blocks of BS -> packed codes and scale bytes."""
+        NB: tl.constexpr = D // BS
+        HB: tl.constexpr = BS // 2
+        pid = tl.program_id(0)
+        r = pid * ROWS + tl.arange(0, ROWS)
+        b = tl.arange(0, NB)
+        h = tl.arange(0, HB)
+        p = tl.arange(0, 2)
+        r4 = r[:, None, None, None]
+        offs = r4.to(tl.int64) * D + b[None, :, None, None] * BS + h[None, None, :, None] * 2 + p[None, None, None, :]
+        mask = r4 < n_rows
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [ROWS, NB]
+        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=3), axis=2) > 0
+        if E4M3:
+            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)  # floor 6 * 2**-9
+            v = tl.where(has_nan, float("nan"), v)
+            byte, scale = _e4m3_round(v)
+        else:
+            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)  # floor 6 * 2**-126
+            vb = v.to(tl.int32, bitcast=True)
+            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            byte = tl.where(has_nan, 255, tl.minimum(byte, 255))
+            scale = _e8m0_decode(byte)
+        quarter = (scale * 0.25)[:, :, None, None]
+        codes = _e2m1_codes(tl.math.div_rn(x, quarter))
+        lo, hi = tl.split(codes)  # [ROWS, NB, HB]: elements 2i and 2i + 1
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        r3 = r[:, None, None]
+        c_offs = r3.to(tl.int64) * (D // 2) + b[None, :, None] * HB + h[None, None, :]
+        tl.store(codes_ptr + c_offs, packed, mask=r3 < n_rows)
+        r2 = r[:, None]
+        tl.store(scales_ptr + r2.to(tl.int64) * NB + b[None, :], byte.to(tl.uint8), mask=r2 < n_rows)
+
+    @triton.jit
+    def _dequant_rows(codes_ptr, scales_ptr, out_ptr, src_rows, dst_rows, valid,
+                      D: tl.constexpr, BS: tl.constexpr, E4M3: tl.constexpr):
+        """Decode packed rows `src_rows` into output rows `dst_rows` (both [ROWS] int64)."""
+        NB: tl.constexpr = D // BS
+        HB: tl.constexpr = BS // 2
+        b = tl.arange(0, NB)
+        h = tl.arange(0, HB)
+        p = tl.arange(0, 2)
+        s3 = src_rows[:, None, None]
+        v3 = valid[:, None, None]
+        c = tl.load(codes_ptr + s3 * (D // 2) + b[None, :, None] * HB + h[None, None, :], mask=v3, other=0)
+        c = c.to(tl.int32)
+        sb = tl.load(scales_ptr + src_rows[:, None] * NB + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        if E4M3:
+            scale = _e4m3_decode(sb)
+        else:
+            scale = _e8m0_decode(sb)
+        scale3 = scale[:, :, None]
+        lo = _e2m1_values(c & 15) * scale3
+        hi = _e2m1_values(c >> 4) * scale3
+        vals = tl.join(lo, hi)  # [ROWS, NB, HB, 2]
+        d4 = dst_rows[:, None, None, None]
+        offs = d4 * D + b[None, :, None, None] * BS + h[None, None, :, None] * 2 + p[None, None, None, :]
+        tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=valid[:, None, None, None])
+
+    @triton.jit
+    def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, n_rows,
+                           D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = r.to(tl.int64)
+        _dequant_rows(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, E4M3)
+
+    @triton.jit
+    def _gather_dequantize_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out,
+                                  D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """Output row i = dequantized entry idx[i] (idx < 0 reads entry 0, as the engine's clamp does)."""
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        valid = r < n_out
+        src = tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64)
+        src = tl.maximum(src, 0)
+        _dequant_rows(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, E4M3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers: same signatures and results as the codecs.py functions of the same names.
+
+
+def _rows_per_program(dim: int) -> int:
+    return max(1, _TARGET_ELEMS // dim)
+
+
+def _check(x: torch.Tensor, block: int, fn: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{fn}: triton is not installed; use engine_adapter.ced.codecs")
+    if not x.is_floating_point() or x.dim() == 0:
+        raise ValueError(f"{fn}: expected a floating tensor with at least 1 dim, got {x.dtype} {tuple(x.shape)}")
+    d = x.shape[-1]
+    if d % block or d % 2 or block % 2 or (d // block) & (d // block - 1) or block & (block - 1):
+        raise ValueError(f"{fn}: last dim {d} must be a power-of-two number of power-of-two blocks of {block}")
+
+
+def _quantize(x: torch.Tensor, block: int, e4m3: bool, fn: str) -> PackedFP4:
+    _check(x, block, fn)
+    d = x.shape[-1]
+    flat = x.reshape(-1, d).contiguous()
+    n = flat.shape[0]
+    codes = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, d // block, dtype=torch.uint8, device=x.device)
+    if n:
+        rows = _rows_per_program(d)
+        _quantize_kernel[(triton.cdiv(n, rows),)](flat, codes, scales, n, D=d, BS=block, ROWS=rows, E4M3=e4m3,
+                                                   num_warps=4)
+    lead = x.shape[:-1]
+    return PackedFP4(codes=codes.view(*lead, d // 2), scales=scales.view(*lead, d // block), block=block,
+                     scale_format="e4m3" if e4m3 else "e8m0")
+
+
+def quantize_fp4_e4m3(x: torch.Tensor, block: int = 16) -> PackedFP4:
+    """Main global KV: E2M1 + one E4M3 scale per `block` (bit-identical to codecs.quantize_fp4_e4m3)."""
+    return _quantize(x, block, True, "quantize_fp4_e4m3")
+
+
+def quantize_fp4_e8m0(x: torch.Tensor, block: int = 32) -> PackedFP4:
+    """Index keys: E2M1 + one E8M0 scale per `block` (bit-identical to codecs.quantize_fp4_e8m0)."""
+    return _quantize(x, block, False, "quantize_fp4_e8m0")
+
+
+def _check_packed(p: PackedFP4, fn: str) -> tuple[int, int]:
+    if triton is None:
+        raise RuntimeError(f"{fn}: triton is not installed; use engine_adapter.ced.codecs")
+    d, nb = p.dim, p.scales.shape[-1]
+    if nb & (nb - 1) or p.block & (p.block - 1):
+        raise ValueError(f"{fn}: {nb} blocks of {p.block} values: both must be powers of two")
+    return d, nb
+
+
+def dequantize_fp4(p: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """PackedFP4 -> [..., d] values of `dtype` (bit-identical to codecs.dequantize_fp4)."""
+    d, nb = _check_packed(p, "dequantize_fp4")
+    codes = p.codes.reshape(-1, d // 2).contiguous()
+    scales = p.scales.reshape(-1, nb).contiguous()
+    n = codes.shape[0]
+    out = torch.empty(n, d, dtype=dtype, device=codes.device)
+    if n:
+        rows = _rows_per_program(d)
+        _dequantize_kernel[(triton.cdiv(n, rows),)](codes, scales, out, n, D=d, BS=p.block, ROWS=rows,
+                                                     E4M3=p.scale_format == "e4m3", num_warps=4)
+    return out.view(*p.codes.shape[:-1], d)
+
+
+def gather_dequantize_fp4(p: PackedFP4, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `index` (any shape, int; -1 reads row 0) of [E, d/2] packed entries -> [*index.shape, d].
+
+    Equal, bit for bit, to ``dequantize_fp4(p, dtype)[index.clamp(min=0)]``, reading only the
+    selected packed rows.
+    """
+    d, nb = _check_packed(p, "gather_dequantize_fp4")
+    if p.codes.dim() != 2:
+        raise ValueError(f"gather_dequantize_fp4: entries must be [E, d/2], got {tuple(p.codes.shape)}")
+    if p.codes.shape[0] == 0:
+        raise ValueError("gather_dequantize_fp4: no entries to gather from")
+    idx = index.reshape(-1).contiguous()
+    n = idx.shape[0]
+    out = torch.empty(n, d, dtype=dtype, device=p.codes.device)
+    if n:
+        rows = _rows_per_program(d)
+        _gather_dequantize_kernel[(triton.cdiv(n, rows),)](idx, p.codes.contiguous(), p.scales.contiguous(), out, n,
+                                                            D=d, BS=p.block, ROWS=rows,
+                                                            E4M3=p.scale_format == "e4m3", num_warps=4)
+    return out.view(*index.shape, d)
