@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .codecs import dequantize_fp8, quantize_fp8_e8m0
+from .codecs import PackedFP4, dequantize_fp8, gather_dequantize_fp4, quantize_fp8_e8m0
 from .compressor import Compressor
 from .config import RING_BLOCK, CEDConfig, LayerMode
 from .context import StepContext
@@ -51,6 +51,7 @@ def window_sparse_attention(
     sink: torch.Tensor,
     scale: float,
     bias_cache: dict[tuple[int, int, int], torch.Tensor] | None = None,
+    packed: PackedFP4 | None = None,
 ) -> torch.Tensor:
     """One softmax over [window keys || selected entries || sink] for a chunk of queries.
 
@@ -64,6 +65,9 @@ def window_sparse_attention(
         sink: [H] per-head sink logits (a key with value zero).
         bias_cache: band masks by (c, first_pos - key_lo, m); every interior chunk of a
             forward has the same one, so it is built once (the GEMM adds it for free).
+        packed: the same entries still packed (FP4); when given, the selected rows are
+            dequantized straight from them (one fused kernel on CUDA) instead of gathered
+            from `entries`: bit-identical, since dequantization is exact.
 
     Returns:
         [c, H, D] attention output (before the inverse RoPE).
@@ -84,7 +88,10 @@ def window_sparse_attention(
     logits = [torch.addmm(bias, qs.view(c * heads, dim), kw.T).view(c, heads, nk).to(cdt)]
     gathered = None
     if topk is not None and entries is not None and entries.shape[0] > 0:
-        gathered = torch.nn.functional.embedding(topk.clamp(min=0), entries)  # [c, k, D]
+        if packed is not None:
+            gathered = gather_dequantize_fp4(packed, topk, q.dtype)  # [c, k, D]
+        else:
+            gathered = torch.nn.functional.embedding(topk.clamp(min=0), entries)  # [c, k, D]
         sparse = torch.bmm(qs, gathered.transpose(1, 2)).to(cdt)
         logits.append(sparse.masked_fill_((topk < 0)[:, None, :], float("-inf")))
     logits.append(sink.to(cdt).view(1, heads, 1).expand(c, heads, 1))
@@ -100,6 +107,7 @@ class _Selection:
     """The sparse half of one layer's attention for its query rows (all None for a WINDOW layer)."""
 
     entries: torch.Tensor | None = None  # [E, D] the owner's dequantized global KV
+    packed: PackedFP4 | None = None  # the same entries packed (CUDA: attention gathers from these)
     topk: torch.Tensor | None = None  # [n, k] entry ids: reused, or filled chunk by chunk by this layer
     index_q: tuple[torch.Tensor, torch.Tensor] | None = None  # own index queries [n, Hi, Di], weights [n, Hi]
     index_keys: torch.Tensor | None = None  # [E, Di] the owner's dequantized index keys
@@ -187,7 +195,7 @@ class Attention(nn.Module):
                 a1 = min(c1, a0 + tile)
                 out[a0:a1] = window_sparse_attention(q[a0:a1], first_pos + a0, keys, key_start, self.window,
                                                      sel.entries, _rows(sel.topk, a0, a1), self.sink, self.scale,
-                                                     ctx.bias_cache)
+                                                     ctx.bias_cache, sel.packed)
         if sel.index_q is not None:
             ctx.topk[self.layer_id] = sel.topk
         if sel.pool_out is not None:
@@ -201,6 +209,8 @@ class Attention(nn.Module):
             return sel  # WINDOW
         source = ctx.state.sources[self.kv_source]
         sel.entries = source.main_values.view()
+        if sel.entries.is_cuda and sel.entries.shape[0]:  # fused gather + dequantize of the top-k rows
+            sel.packed = source.packed(0, source.num_entries)[0]
         num_out = qr.shape[0]
         if self.indexer is None:  # REUSE: the last index source's top-k for these (trailing) rows
             sel.topk = ctx.topk[self.index_source][-num_out:]

@@ -52,6 +52,7 @@ __all__ = [
     "quantize_fp4_e4m3",
     "quantize_fp4_e8m0",
     "dequantize_fp4",
+    "gather_dequantize_fp4",
     "quantize_fp8_e8m0",
     "dequantize_fp8",
     "fp4_row_bytes",
@@ -351,6 +352,23 @@ class PackedFP8:
 # FP4 quantize / dequantize
 
 
+def _kernels_for(t: torch.Tensor, dim: int, block: int):
+    """The Triton kernels (triton_codecs) when `t` is on CUDA and they fit the shape, else None.
+
+    CPU tensors always take the torch code below, so CPU results never depend on whether
+    triton is installed; on CUDA the kernels are bit-identical to it (tests/gpu).
+    """
+    if t.device.type != "cuda":
+        return None
+    nb = dim // block
+    if nb & (nb - 1) or block & (block - 1) or block % 2:
+        return None
+    from . import triton_codecs  # lazy: triton_codecs imports this module
+
+    return triton_codecs if triton_codecs.available(t.device) else None
+
+
+
 def _quantize_fp4(blocks: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """float32 [..., nb, block] and float32 scales [..., nb] -> packed codes [..., d // 2].
 
@@ -365,6 +383,9 @@ def _quantize_fp4(blocks: torch.Tensor, scale: torch.Tensor, shape: torch.Size) 
 def quantize_fp4_e4m3(x: torch.Tensor, block: int = 16) -> PackedFP4:
     """Main global KV: E2M1 codes with one E4M3 scale per ``block`` (512-d -> 288 B a row)."""
     _check_float_rows(x, block, "quantize_fp4_e4m3", paired=True)
+    kernels = _kernels_for(x, x.shape[-1], block)
+    if kernels is not None:
+        return kernels.quantize_fp4_e4m3(x, block)
     blocks, amax = _block_amax(x, block)
     scale8 = _e4m3_scales(amax)
     codes = _quantize_fp4(blocks, scale8.float(), x.shape)
@@ -374,6 +395,9 @@ def quantize_fp4_e4m3(x: torch.Tensor, block: int = 16) -> PackedFP4:
 def quantize_fp4_e8m0(x: torch.Tensor, block: int = 32) -> PackedFP4:
     """Index keys: E2M1 codes with one power-of-two scale per ``block`` (128-d -> 68 B a row)."""
     _check_float_rows(x, block, "quantize_fp4_e8m0", paired=True)
+    kernels = _kernels_for(x, x.shape[-1], block)
+    if kernels is not None:
+        return kernels.quantize_fp4_e8m0(x, block)
     blocks, amax = _block_amax(x, block)
     scale_bytes = _e8m0_bytes(amax, E8M0_AMAX_FLOOR, E2M1_MAX)
     codes = _quantize_fp4(blocks, e8m0_decode(scale_bytes), x.shape)
@@ -388,10 +412,29 @@ def _decode_scales(p: PackedFP4) -> torch.Tensor:
 
 def dequantize_fp4(p: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """PackedFP4 -> [..., d] values of ``dtype`` (computed exactly in float32, then cast)."""
+    kernels = _kernels_for(p.codes, p.dim, p.block)
+    if kernels is not None:
+        return kernels.dequantize_fp4(p, dtype)
     lead, nb = p.codes.shape[:-1], p.scales.shape[-1]
     pairs = _lookup(_e2m1_pair_lut(p.codes.device), p.codes)  # [..., d/2, 2]
     values = pairs.view(*lead, nb, p.block).mul_(_decode_scales(p).unsqueeze(-1))
     return values.view(*lead, p.dim).to(dtype)
+
+
+def gather_dequantize_fp4(p: PackedFP4, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `index` (any shape; -1 reads row 0) of [E, d/2] packed entries -> [*index.shape, d] values.
+
+    Equal to ``dequantize_fp4(p, dtype)[index.clamp(min=0)]``, but decodes only the selected
+    rows (decode attention reads k of E entries). On CUDA one fused Triton kernel does it.
+    """
+    if p.codes.dim() != 2:
+        raise ValueError(f"gather_dequantize_fp4: entries must be [E, d/2], got {tuple(p.codes.shape)}")
+    kernels = _kernels_for(p.codes, p.dim, p.block)
+    if kernels is not None:
+        return kernels.gather_dequantize_fp4(p, index, dtype)
+    rows = index.reshape(-1).clamp(min=0)
+    picked = PackedFP4(p.codes.index_select(0, rows), p.scales.index_select(0, rows), p.block, p.scale_format)
+    return dequantize_fp4(picked, dtype).view(*index.shape, p.dim)
 
 
 # ---------------------------------------------------------------------------------------------
