@@ -168,8 +168,13 @@ async def _inspect(c: Any, args: argparse.Namespace) -> Any:
         info = await c.inspect(key)
         if args.json:
             return info
-        for name, value in _jsonable(info).items():
+        doc = _jsonable(info)
+        explain = doc.pop("explain", None)
+        for name, value in doc.items():
             print(f"{name:>18}  {value}")
+        if explain:
+            print("why it is where it is (store and policy):")
+            print("  " + json.dumps(explain, indent=2, sort_keys=True, default=str).replace("\n", "\n  "))
         return None
     session = await c.get_session(args.session_id)
     plan = await c.plan_resume(args.session_id, args.mode) if session.checkpoint_version else None

@@ -15,6 +15,7 @@ larger than the message size limit need nothing from the caller. A failed call r
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -57,6 +58,10 @@ class RecordInfo:
     last_access: float
     access_count: int
     model_fingerprint: bytes
+    token_start: int = 0
+    token_end: int = 0
+    retention: str = ""
+    explain: dict[str, Any] | None = None  # `inspect` only: residency, protection, the policy's reasoning
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +191,8 @@ def _record_info(m: Any) -> RecordInfo:
     return RecordInfo(key=bytes(m.key), kind=m.kind, kind_name=m.kind_name, size_bytes=m.size_bytes,
                       tiers=_tier_map(m.tiers), pinned=m.pinned, durability=_durability(m.durability),
                       created_at=m.created_at, last_access=m.last_access, access_count=m.access_count,
-                      model_fingerprint=bytes(m.model_fingerprint))
+                      model_fingerprint=bytes(m.model_fingerprint), token_start=m.token_start, token_end=m.token_end,
+                      retention=m.retention, explain=json.loads(m.explain_json) if m.explain_json else None)
 
 
 def _replay(m: Any) -> ReplayInfo:

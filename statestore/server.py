@@ -202,7 +202,8 @@ def _record_info(meta: StateMeta) -> common_pb2.RecordInfo:
         key=meta.key, kind=meta.kind, kind_name=kind_name(meta.kind), size_bytes=meta.size_bytes,
         tiers=[common_pb2.TierBytes(tier=t.value, bytes=n) for t, n in meta.resident], pinned=meta.pinned,
         durability=int(meta.durability), created_at=meta.created, last_access=meta.last_access,
-        access_count=meta.access_count, model_fingerprint=meta.model_fingerprint)
+        access_count=meta.access_count, model_fingerprint=meta.model_fingerprint, token_start=meta.token_start,
+        token_end=meta.token_end, retention=meta.retention.name)
 
 
 def _replay_info(plan: Any) -> common_pb2.ReplayPlanInfo:
@@ -533,7 +534,11 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         meta = self._owned(key, tenant)
         if meta is None:
             raise _NotFound(f"record {key.hex()} is not stored on this node")
-        return _record_info(meta)
+        info = _record_info(meta)
+        explained = self._store.explain(key)
+        if explained is not None:
+            info.explain_json = json.dumps(explained, sort_keys=True, default=str)
+        return info
 
 
 # ----- Sessions ----------------------------------------------------------------------------

@@ -102,6 +102,9 @@ def test_inspect_session_and_record(cli, populated: bytes) -> None:  # type: ign
     assert code == 0 and "resume plan (bounded)" in out and "GLOBAL_KV" in out
     code, out, _ = cli("inspect", "--key", populated.hex(), "--json")
     assert code == 0 and json.loads(out)["size_bytes"] == 1168 and json.loads(out)["durability"] == "LOCAL"
+    assert json.loads(out)["explain"]["tiers"].keys() >= {"ssd"}
+    code, out, _ = cli("inspect", "--key", populated.hex())
+    assert code == 0 and "why it is where it is" in out and "policy_name" in out
 
 
 def test_stats(cli, populated: bytes) -> None:  # type: ignore[no-untyped-def]

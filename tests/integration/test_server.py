@@ -108,6 +108,10 @@ async def test_record_larger_than_message_limit_streams_both_ways(alice: StateSt
     info = await alice.inspect(big.key)
     assert info.kind_name == "GLOBAL_KV" and info.size_bytes == HEADER_SIZE + (3 << 20)
     assert info.durability is Durability.LOCAL and set(info.tiers) == {"host", "ssd"}
+    assert (info.token_start, info.token_end, info.retention) == (0, 256, "MUST_KEEP")
+    assert info.explain is not None and info.explain["key"] == big.key.hex()
+    assert info.explain["durability"] == "LOCAL" and set(info.explain["tiers"]) == {"host", "ssd"}
+    assert "policy_name" in info.explain
 
 
 async def test_lookup_prefix_per_tier_with_resume_plan(alice: StateStoreClient, server: StateStoreServer) -> None:

@@ -41,7 +41,7 @@ class RecordStart(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: _Optional[bool] = ..., found: _Optional[bool] = ...) -> None: ...
 
 class RecordInfo(_message.Message):
-    __slots__ = ("key", "kind", "kind_name", "size_bytes", "tiers", "pinned", "durability", "created_at", "last_access", "access_count", "model_fingerprint")
+    __slots__ = ("key", "kind", "kind_name", "size_bytes", "tiers", "pinned", "durability", "created_at", "last_access", "access_count", "model_fingerprint", "token_start", "token_end", "retention", "explain_json")
     KEY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KIND_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,10 @@ class RecordInfo(_message.Message):
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
     ACCESS_COUNT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_JSON_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     kind: int
     kind_name: str
@@ -64,7 +68,11 @@ class RecordInfo(_message.Message):
     last_access: float
     access_count: int
     model_fingerprint: bytes
-    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[int] = ..., kind_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., pinned: _Optional[bool] = ..., durability: _Optional[_Union[Durability, str]] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., access_count: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+    token_start: int
+    token_end: int
+    retention: str
+    explain_json: str
+    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[int] = ..., kind_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., pinned: _Optional[bool] = ..., durability: _Optional[_Union[Durability, str]] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., access_count: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., retention: _Optional[str] = ..., explain_json: _Optional[str] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")
