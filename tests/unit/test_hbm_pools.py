@@ -1,0 +1,103 @@
+"""The hbm tier's pool logic and accounting, on CPU tensors (allow_cpu=True)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tiers.hbm import HbmTier, HbmUnavailable, SlotPool, plan_slots
+from tiers.pools import record_overhead_bytes
+from tiers.record import FINGERPRINT_BYTES, KEY_BYTES, TENANT_BYTES, make_record
+
+GLOBAL, INDEX = 1, 2
+
+
+def _record(kind: int, n: int, fill: int, key: int = 0):
+    payload = bytes([fill]) * n
+    return make_record(kind, 0, payload, model_fingerprint=b"f" * FINGERPRINT_BYTES, tenant_id=b"t" * TENANT_BYTES,
+                       block_key=key.to_bytes(KEY_BYTES, "big"), token_start=0, token_end=256)
+
+
+def _tier(slots: int = 4) -> HbmTier:
+    return HbmTier({GLOBAL: 100, INDEX: 40}, {GLOBAL: slots, INDEX: slots}, device="cpu", allow_cpu=True,
+                   staging_bytes=250, fill_threads=2)
+
+
+def test_slot_pool_lowest_first_and_double_free() -> None:
+    pool = SlotPool(8, 5, torch.device("cpu"))
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.free([1])
+    assert pool.allocate(2) == [1, 3]
+    assert pool.allocate(2) is None and pool.num_free_slots == 1  # refused: nothing taken
+    with pytest.raises(AssertionError, match="slot 4 is not allocated"):
+        pool.free([4])
+    assert pool.tensor.shape == (5, 8) and pool.pool_bytes == 40
+
+
+def test_without_cuda_the_tier_is_unavailable_with_a_clear_error() -> None:
+    with pytest.raises(HbmUnavailable, match="CUDA memory; got device cpu"):
+        HbmTier({GLOBAL: 8}, {GLOBAL: 1}, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(HbmUnavailable, match="needs a CUDA device"):
+            HbmTier({GLOBAL: 8}, {GLOBAL: 1}, device="cuda")
+
+
+def test_put_get_and_exact_accounting() -> None:
+    tier = _tier(slots=6)
+    recs = [_record(GLOBAL, 100, 7, 1), _record(GLOBAL, 60, 8, 2), _record(INDEX, 40, 9, 3), _record(GLOBAL, 250, 5, 4)]
+    events = tier.load(recs)  # the 250 B record (3 pages) is larger than a staging buffer: copied directly
+    assert all(e is not None for e in events)
+    assert [tier.slot_ids(r.key) for r in recs] == [(0,), (1,), (0,), (2, 3, 4)]
+    assert tier.pools[GLOBAL].num_free_slots == 1
+    for r in recs:
+        got = asyncio.run(tier.get(r.key))
+        assert got is not None and got.payload == r.payload and got.header.kind == r.header.kind
+    usage = tier.usage()
+    g = usage.by_kind[GLOBAL]
+    # 100 B in 1 page, 60 B in 1 page (40 B padding), 250 B in 3 pages (50 B padding)
+    assert g.num_records == 3 and g.payload_bytes == 410
+    assert g.resident_bytes == 500 + 2 * record_overhead_bytes(1) + record_overhead_bytes(3)
+    assert usage.by_kind[INDEX].resident_bytes == 40 + record_overhead_bytes(1)
+    assert tier.footprint(recs[3]) == 300 + record_overhead_bytes(3)
+    assert usage.budget_bytes == tier.pool_bytes == 6 * 100 + 6 * 40
+
+
+def test_full_pool_refuses_and_keeps_the_old_copy() -> None:
+    tier = _tier(slots=2)
+    a = _record(GLOBAL, 100, 1, 1)
+    assert asyncio.run(tier.put(a))
+    big = _record(GLOBAL, 200, 2, 1)  # same key, needs 2 pages, only 1 free
+    assert not asyncio.run(tier.put(big))
+    assert asyncio.run(tier.get(a.key)).payload == a.payload
+    assert asyncio.run(tier.delete(a.key)) and not asyncio.run(tier.delete(a.key))
+    assert tier.usage().by_kind == {} and tier.pools[GLOBAL].num_free_slots == 2
+
+
+def test_load_coalesces_runs_and_chunks_through_staging() -> None:
+    """Ten records in a fresh pool take slots 0..9 and land byte-exact through 250 B staging chunks."""
+    tier = HbmTier({GLOBAL: 100}, {GLOBAL: 12}, device="cpu", allow_cpu=True, staging_bytes=250, fill_threads=3)
+    recs = [_record(GLOBAL, 100 - i, i + 1, i) for i in range(10)]
+    tier.load(recs)
+    assert [tier.slot_ids(r.key) for r in recs] == [(i,) for i in range(10)]
+    for i, r in enumerate(recs):
+        assert bytes(tier.payload_tensor(r.key).numpy()) == r.payload
+    assert asyncio.run(tier.contains([recs[0].key, _record(GLOBAL, 1, 0, 99).key])) == [True, False]
+    headers = asyncio.run(tier.scan()).headers
+    assert sorted(h.block_key for h in headers) == sorted(r.header.block_key for r in recs)
+
+
+def test_corrupted_page_is_a_miss() -> None:
+    tier = _tier()
+    r = _record(INDEX, 40, 3, 1)
+    asyncio.run(tier.put(r))
+    tier.pools[INDEX].tensor[tier.slot_ids(r.key)[0], 5] ^= 1
+    assert asyncio.run(tier.get(r.key)) is None and tier.usage().by_kind == {}
+
+
+def test_plan_slots_splits_by_share() -> None:
+    slots = plan_slots(100 * 10**9, {GLOBAL: 184_320, INDEX: 43_520}, {GLOBAL: 720.0, INDEX: 170.0})
+    assert min(slots.values()) // 512 == 857  # 128K-token sessions: the byte bound is 857.2
+    with pytest.raises(ValueError, match="positive budget"):
+        plan_slots(0, {GLOBAL: 1}, {GLOBAL: 1.0})
