@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the service end to end: session, checkpoint, restart, resume")
     demo.add_argument("--engine-only", action="store_true", help="run only the engine (no service)")
-    demo.add_argument("--data-dir", help="service data dir (default: a temporary directory)")
+    demo.add_argument("--data-dir", help="service data dir (default: demo/ under the user's cache folder)")
     demo.add_argument("--preset", choices=["mini", "tiny"], help="engine preset (default tiny)")
     demo.add_argument("--prompt-tokens", type=int, default=1024, help="--engine-only: prompt length")
     demo.add_argument("--new-tokens", type=int, default=16, help="--engine-only: tokens to generate")

@@ -16,16 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from statestore.client import StateStoreClient
-from statestore.config import ServiceConfig
+from statestore.config import ServiceConfig, default_data_dir
 from statestore.engine_demo import bytes_table
 from statestore.server import StateStoreServer
 from statestore.types import Durability
@@ -94,7 +92,8 @@ async def _demo(data_dir: Path, preset: str, quiet: bool) -> dict[str, Any]:
         plan = await c.plan_resume(SESSION)
         for mode in ("bounded", "exact"):
             report = await steps.run(f"resume ({mode})", c.resume(SESSION, mode))
-            tokens = await steps.run(f"continue: generate {CONTINUE_TOKENS}", c.generate(SESSION, CONTINUE_TOKENS))
+            tokens = await steps.run(f"continue after {mode}: generate {CONTINUE_TOKENS}",
+                                     c.generate(SESSION, CONTINUE_TOKENS))
             same = sum(a == b for a, b in zip(tokens, reference))
             resumes.append({"report": report, "tokens": tokens, "same_as_reference": same})
             await c.drop_session(SESSION)
@@ -138,16 +137,15 @@ def _print(result: dict[str, Any]) -> None:
 
 
 def run_service_demo(data_dir: str | None = None, preset: str = "tiny", as_json: bool = False) -> int:
-    """Run the demo; returns the exit code (1 if the exact resume diverged)."""
-    temp = data_dir is None
-    root = Path(tempfile.mkdtemp(prefix="statestore-demo-")) if temp else Path(data_dir).expanduser()
-    try:
-        if not as_json:
-            print(f"statestore demo: service on the embedded default, data in {root}", file=sys.stderr)
-        result = asyncio.run(_demo(root, preset, quiet=as_json))
-    finally:
-        if temp:
-            shutil.rmtree(root, ignore_errors=True)
+    """Run the demo; returns the exit code (1 if the exact resume diverged).
+
+    Data goes to `data_dir`, else to `demo/` under the user's cache folder (beside, not in,
+    the default data dir of `statestore serve`, whose SSD directory a running server locks).
+    """
+    root = Path(data_dir).expanduser() if data_dir else default_data_dir() / "demo"
+    if not as_json:
+        print(f"statestore demo: service on the embedded default, data in {root}", file=sys.stderr)
+    result = asyncio.run(_demo(root, preset, quiet=as_json))
     exact = result["resumes"][-1]
     if as_json:
         from statestore.cli import _jsonable
