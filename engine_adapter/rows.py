@@ -21,7 +21,6 @@ needs plus W - 1 (the `bounded` mode) is approximate above its first layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import lcm
 from typing import Literal
 
 from engine_adapter.base import ReplayGeometry
@@ -109,54 +108,55 @@ def replay_rows(
 
     Args:
         geometry: the layer stack.
-        mode: "exact" (staircase), "bounded" (`bounded_rows`, default W + slack, through every
-            layer from `first_layer`), "off" (every available row).
+        mode: "exact" (the staircase: layer l reads W_l - 1 more rows than layer l + 1, the
+            last layer W), "bounded" (`bounded_rows`, default max W + slack, through every layer
+            from `first_layer`), "off" (every available row).
         num_tokens: T, the sequence length after the forward.
         num_rows: rows available to compute (new tokens of a prefill chunk; T for a replay).
         first_layer: layers below it read every available row (the encoder in prefill);
             0 replays the whole stack from tokens.
         published_tokens: global entries exist for tokens [0, P): layers up to the last
-            publisher must read every row of [P, T) so new entries (and compressor tails) are
-            published; in `exact` mode each layer below reads W - 1 more rows than the one
-            above it, so what is published is exact too (matters when T - P outgrows the
-            staircase: a resume whose later blocks are gone). None means nothing needs
-            publishing beyond what the rows cover.
+            publisher read all of [P, T) so the missing entries (and compressor tails) are
+            published; in `exact` mode every layer below reads W - 1 more rows than the one
+            above it, so what is published is exact too (this matters when T - P outgrows the
+            staircase: a resume whose later blocks are gone). None: nothing to publish.
         bounded_rows / slack: the bounded tail length (default max window + slack).
 
     Returns:
-        A `RowPlan` clamped to the available rows, whose start rows at and below the last
-        publisher are aligned down to a multiple of every group size (a ratio-2 pair is never
-        split at a replay edge).
+        A `RowPlan` clamped to the available rows.
+
+    NOTE: start rows need no alignment. The edge a compression group must not straddle is P,
+    the end of the persisted entries, and P is a multiple of every group size (imports start
+    there; the rest of a ratio-2 pair is a compressor tail). Rows replayed below P are read as
+    window keys only and never compressed again, so an odd start row splits nothing and the
+    counts stay ENGINE.md's: 1 + 40 x 127 = 5,081 (V4.1, whole stack), 2,414 (decoder tail).
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"replay mode must be one of {REPLAY_MODES}, got {mode!r}")
-    n_layers = geometry.num_layers
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     available = num_tokens if num_rows is None else num_rows
     if not 1 <= available <= num_tokens:
         raise ValueError(f"num_rows must lie in [1, num_tokens={num_tokens}], got {available}")
+    n_layers = geometry.num_layers
     if not 0 <= first_layer < n_layers:
         raise ValueError(f"first_layer must lie in [0, {n_layers}), got {first_layer}")
-    if bounded_rows is not None and bounded_rows < 1:
-        raise ValueError(f"bounded_rows must be >= 1, got {bounded_rows}")
-    tail_windows = geometry.windows[first_layer:]
-    if mode == "exact":
-        tail_rows = staircase_for(tail_windows)
-    elif mode == "bounded":
-        tail_rows = (bounded_rows if bounded_rows is not None else max(tail_windows) + slack,) * len(tail_windows)
-    else:
-        tail_rows = (available,) * len(tail_windows)
-    rows = [available] * first_layer + list(tail_rows)
-    last = geometry.last_publisher
-    if published_tokens is not None and last is not None:
-        must = num_tokens - published_tokens
-        rows[: last + 1] = [max(r, must) for r in rows[: last + 1]]
-        if mode == "exact":  # the W - 1 lead-in under each raised layer keeps its inputs exact
-            for i in range(min(last, n_layers - 1) - 1, first_layer - 1, -1):
-                rows[i] = max(rows[i], rows[i + 1] + geometry.windows[i] - 1)
-    for i in range(len(rows) - 2, -1, -1):  # non-increasing: a layer reads what the next one needs
-        rows[i] = max(rows[i], rows[i + 1])
-    if last is not None:
-        align = lcm(*[g for g in geometry.group_tokens if g > 0] or [1])
-        for i in range(last + 1):  # only where compression groups live
-            rows[i] = num_tokens - (num_tokens - min(rows[i], available)) // align * align
-    return RowPlan(tuple(min(r, available) for r in rows))
+    bounded = max(geometry.windows) + slack if bounded_rows is None else bounded_rows
+    if bounded < 1:
+        raise ValueError(f"bounded_rows must be >= 1, got {bounded}")
+    must = 0 if published_tokens is None else num_tokens - published_tokens
+    if must < 0:
+        raise ValueError(f"published_tokens={published_tokens} exceeds num_tokens={num_tokens}")
+    last = -1 if geometry.last_publisher is None else geometry.last_publisher
+    rows, above = [0] * n_layers, 1  # `above`: rows the next layer reads (the LM head: 1)
+    for layer_id in reversed(range(n_layers)):
+        if layer_id < first_layer or mode == "off":
+            r = available
+        elif mode == "exact":
+            r = above + geometry.windows[layer_id] - 1
+        else:
+            r = max(bounded, above)
+        if layer_id <= last:
+            r = max(r, must)
+        rows[layer_id] = above = min(r, available)
+    return RowPlan(tuple(rows))

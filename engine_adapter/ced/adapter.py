@@ -32,6 +32,7 @@ from engine_adapter.fingerprint import make_model_fingerprint
 from . import transfer
 from .engine import CEDEngine
 from .layers import compute_dtype
+from . import plan
 from .plan import RowPlan
 from .state import SequenceState
 
@@ -95,11 +96,7 @@ class CEDAdapter:
         )
 
     def replay_geometry(self) -> ReplayGeometry:
-        c = self.config
-        decoder = c.decoder_layer_ids
-        return ReplayGeometry(windows=(c.sliding_window,) * c.n_layers, group_tokens=tuple(c.compress_ratios),
-                              last_publisher=c.kv_source_layer_ids[-1],
-                              first_decoder_layer=decoder[0] if decoder else None)
+        return plan.replay_geometry(self.config)
 
     def costs(self) -> EngineCosts:
         if self._costs is None:
@@ -115,20 +112,28 @@ class CEDAdapter:
                            replay_s_per_row_layer=per_row_layer, device=str(self.engine.device))
 
     def measure_costs(self, num_tokens: int = 512) -> EngineCosts:
-        """Time a prefill, a few decode steps and an exact replay on this machine; cache the result."""
-        tokens = torch.randint(0, self.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+        """Time a prefill, a few decode steps and a bounded replay on this machine; cache the result.
+
+        The replay runs the way a resume does: the prefilled state's global entries are
+        exported, imported into a fresh state, and its trailing rows replayed.
+        """
+        tokens = torch.randint(0, self.config.vocab_size, (num_tokens,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
         state = self.new_state()
         t0 = time.perf_counter()
-        self.append(state, tokens.tolist())
+        self.append(state, tokens)
         prefill = (time.perf_counter() - t0) / num_tokens
+        persisted = num_tokens // self.token_alignment * self.token_alignment
+        payloads = self.export_range(state, 0, persisted)
         t0 = time.perf_counter()
         self.engine.generate(state, 4)
         decode = (time.perf_counter() - t0) / 4
-        plan = RowPlan((min(num_tokens, 2 * self.config.sliding_window),) * self.config.n_layers)
+        resumed = self.new_state()
+        self.import_range(resumed, payloads)
+        rows = plan.replay_rows(self.config, "bounded", num_tokens, published_tokens=persisted)
         t0 = time.perf_counter()
-        replay_state = self.new_state()
-        self.engine.replay(replay_state, tokens[: num_tokens].tolist(), plan)
-        replay = (time.perf_counter() - t0) / plan.row_layers
+        self.engine.replay(resumed, tokens, rows)
+        replay = (time.perf_counter() - t0) / rows.row_layers
         self._costs = EngineCosts(prefill, decode, replay, device=str(self.engine.device), measured=True)
         return self._costs
 

@@ -8,12 +8,13 @@ not printed by the code under test. Geometries:
     V41   40 layers, W = 128, ratios [0,0] + [2]*18 + [1]*20, last publisher 20, decoder 21..39
           decoder tail 21..39: R = 1 + 19 * 127 = 2,414; whole stack: R = 1 + 40 * 127 = 5,081
 
-A replay edge at or below the last publisher is moved *down* to an even row (a ratio-2
-compressor group is never split between persisted and replayed rows), so an aligned layer may
-read one row more than its staircase entry:
+Start rows need no alignment: the edge a ratio-2 group must not straddle is P (the end of
+the persisted entries, always a multiple of every ratio), and rows replayed below P are window
+keys only, never compressed again. So the counts are ENGINE.md's exactly; layers up to the last
+publisher are raised to T - P, and in `exact` mode every layer below keeps its W - 1 lead-in:
 
-    T = 100, exact     staircase 57 -> start 43 -> 42 -> reads 58 (layer 0)
-                       staircase 50 -> start 50        -> reads 50 (layer 1)
+    T = 100, P = 20, exact   top-down: 8, 15, 22, then layer 4 must cover [20, 100): 80,
+                             layer 3: 80 + 7 = 87, layer 2: 94, layers 1, 0: 101 -> clamped to 100
 """
 
 from __future__ import annotations
@@ -63,47 +64,41 @@ def test_v41_decoder_tail_is_2414_rows_under_a_full_encoder() -> None:
     assert plan.layer_rows[21] == 2414 and plan.layer_rows[39] == 128
 
 
-def test_v41_whole_stack_from_tokens_is_5081_rows_or_one_more_to_keep_a_pair_whole() -> None:
-    # T odd: layer 0 starts at 8193 - 5081 = 3112 (even): exactly the staircase.
-    odd = replay_rows(V41, "exact", 8193, published_tokens=8192)
-    # T even: 8192 - 5081 = 3111 is odd, so the edge moves down to 3110: 5,082 rows.
-    even = replay_rows(V41, "exact", 8192, published_tokens=8192)
-    assert odd.token_rows == 5081 and even.token_rows == 5082
-    for t, plan in ((8193, odd), (8192, even)):
-        # staircase entry 1 + (40 - i) * 127, plus one where the start (t - entry) is odd, up to layer 20
-        expected = tuple(1 + (40 - i) * 127 + ((t - 1 - (40 - i) * 127) % 2 if i <= 20 else 0) for i in range(40))
-        assert plan.layer_rows == expected
+def test_v41_whole_stack_from_tokens_is_5081_rows_at_any_parity() -> None:
+    for t in (8192, 8193):
+        plan = replay_rows(V41, "exact", t, published_tokens=t // 2 * 2)
+        assert plan.layer_rows == staircase(40, 128) and plan.token_rows == 5081
 
 
 # ----- replay_rows: the table --------------------------------------------------------------
 
 ROW_CASES: list[tuple[str, ReplayGeometry, str, int, dict[str, int], tuple[int, ...]]] = [
     # name, geometry, mode, T, kwargs, expected rows per layer
-    ("exact T=100 P=100", MINI, "exact", 100, {"published_tokens": 100}, (58, 50, 44, 36, 30, 22, 15, 8)),
-    ("exact T=101 P=100 (odd T)", MINI, "exact", 101, {"published_tokens": 100}, (57, 51, 43, 37, 29, 22, 15, 8)),
-    ("exact T=58 P=58 (edge at row 1 -> 0)", MINI, "exact", 58, {"published_tokens": 58},
-     (58, 50, 44, 36, 30, 22, 15, 8)),
-    ("exact T=45 P=44 (clamped to T)", MINI, "exact", 45, {"published_tokens": 44}, (45, 45, 43, 37, 29, 22, 15, 8)),
+    ("exact T=100 P=100", MINI, "exact", 100, {"published_tokens": 100}, MINI_STAIRCASE),
+    ("exact T=101 P=100 (odd T)", MINI, "exact", 101, {"published_tokens": 100}, MINI_STAIRCASE),
+    ("exact T=58 P=58 (odd start row 1 is fine)", MINI, "exact", 58, {"published_tokens": 58},
+     MINI_STAIRCASE),
+    ("exact T=45 P=44 (clamped to T)", MINI, "exact", 45, {"published_tokens": 44}, (45, 45, 43, 36, 29, 22, 15, 8)),
     ("exact T=1 P=0", MINI, "exact", 1, {"published_tokens": 0}, (1,) * 8),
     ("exact T=100 P=20: publishers cover [20, 100) with a W-1 lead-in", MINI, "exact", 100,
      {"published_tokens": 20},
-     (100, 100, 94, 88, 80, 22, 15, 8)),
+     (100, 100, 94, 87, 80, 22, 15, 8)),
     ("bounded T=100 P=100: R = W", MINI, "bounded", 100, {"published_tokens": 100}, (8,) * 8),
-    ("bounded T=101 P=100: edge 93 -> 92", MINI, "bounded", 101, {"published_tokens": 100}, (9,) * 5 + (8,) * 3),
+    ("bounded T=101 P=100: R = W", MINI, "bounded", 101, {"published_tokens": 100}, (8,) * 8),
     ("bounded T=100 P=60", MINI, "bounded", 100, {"published_tokens": 60}, (40,) * 5 + (8,) * 3),
-    ("bounded T=100 P=61 (odd P: edge 61 -> 60)", MINI, "bounded", 100, {"published_tokens": 61},
-     (40,) * 5 + (8,) * 3),
+    ("bounded T=100 P=61", MINI, "bounded", 100, {"published_tokens": 61},
+     (39,) * 5 + (8,) * 3),
     ("bounded T=100 slack=8: R = 2W", MINI, "bounded", 100, {"published_tokens": 100, "slack": 8}, (16,) * 8),
-    ("bounded T=100 slack=3", MINI, "bounded", 100, {"published_tokens": 100, "slack": 3}, (12,) * 5 + (11,) * 3),
+    ("bounded T=100 slack=3", MINI, "bounded", 100, {"published_tokens": 100, "slack": 3}, (11,) * 8),
     ("bounded T=100 bounded_rows=5", MINI, "bounded", 100, {"published_tokens": 100, "bounded_rows": 5},
-     (6,) * 5 + (5,) * 3),
+     (5,) * 8),
     ("bounded T=5 P=4 (clamped)", MINI, "bounded", 5, {"published_tokens": 4}, (5,) * 8),
-    ("bounded T=101, nothing to publish", MINI, "bounded", 101, {}, (9,) * 5 + (8,) * 3),
+    ("bounded T=101, nothing to publish", MINI, "bounded", 101, {}, (8,) * 8),
     ("off T=100", MINI, "off", 100, {"published_tokens": 100}, (100,) * 8),
     ("prefill tail: exact from the decoder", MINI, "exact", 100, {"first_layer": 5}, (100,) * 5 + (22, 15, 8)),
     ("prefill chunk of 10 rows", MINI, "exact", 100, {"first_layer": 5, "num_rows": 10}, (10,) * 7 + (8,)),
     ("V4.1 bounded with speculative slack: 133", V41, "bounded", 8192, {"published_tokens": 8192, "slack": 5},
-     (134,) * 21 + (133,) * 19),
+     (133,) * 40),
 ]
 
 
@@ -117,34 +112,31 @@ def test_replay_rows_table(geometry: ReplayGeometry, mode: str, num_tokens: int,
 
 
 @pytest.mark.parametrize("mode", ["exact", "bounded"])
-def test_every_replay_plan_keeps_pairs_whole_and_covers_the_unpublished_tokens(mode: str) -> None:
+def test_every_replay_plan_covers_the_unpublished_tokens(mode: str) -> None:
     """Over every (T, P) up to 80: the rules of ENGINE.md §4, for each layer l.
 
     - non-increasing rows, never more than T;
-    - l <= last publisher: start row T - rows[l] even (ratio-2 pair never split) and
-      rows[l] >= T - P (the layer publishes every entry P did not cover; nothing below P is
-      published again, since the engine publishes only tokens past P);
-    - exact: rows[l] >= min(T, X[l]), X[l] being the trailing rows whose input to layer l must
+    - l <= last publisher: rows[l] >= T - P (the layer publishes every entry P did not cover;
+      nothing below P is published again, since the engine publishes only tokens past P);
+    - exact: rows[l] == min(T, X[l]), X[l] being the trailing rows whose input to layer l must
       be exact: X[7] = W (the last token), X[l] = max(X[l + 1] + W - 1, T - P if l <= 4);
-      rows an alignment adds below that are window keys only and need not be exact;
-    - bounded: rows above the publishers are exactly min(W, T), and the publishers read at
-      most one row more than max(W, T - P).
+    - bounded: rows above the publishers are exactly min(W, T), and the publishers read
+      exactly min(T, max(W, T - P)).
     """
     for t in range(1, 81):
         for p in range(0, t + 1):
             rows = replay_rows(MINI, mode, t, published_tokens=p).layer_rows  # type: ignore[arg-type]
             assert all(a >= b for a, b in zip(rows, rows[1:])) and rows[0] <= t, (t, p, rows)
-            for layer in range(5):
-                assert (t - rows[layer]) % 2 == 0, (t, p, layer, rows)
-                assert rows[layer] >= t - p, (t, p, layer, rows)
+            assert all(rows[layer] >= t - p for layer in range(5)), (t, p, rows)
             if mode == "exact":
                 need = [0] * 8
                 for layer in reversed(range(8)):
                     need[layer] = max(need[layer + 1] + 7 if layer < 7 else 8, t - p if layer <= 4 else 0)
-                assert all(r >= min(t, x) for r, x in zip(rows, need)), (t, p, rows, need)
+                    need[layer] = min(t, need[layer])
+                assert list(rows) == need, (t, p, rows, need)
             else:
                 assert rows[5:] == (min(8, t),) * 3, (t, p, rows)
-                assert all(r <= max(8, t - p) + 1 for r in rows[:5]), (t, p, rows)
+                assert rows[:5] == (min(t, max(8, t - p)),) * 5, (t, p, rows)
 
 
 # ----- plan_replay --------------------------------------------------------------------------
@@ -152,19 +144,19 @@ def test_every_replay_plan_keeps_pairs_whole_and_covers_the_unpublished_tokens(m
 
 def test_plan_replay_exact_prices_the_rows_it_runs() -> None:
     plan = plan_replay(MINI, COSTS, "exact", 100, 100)
-    assert plan == ReplayPlan("exact", 100, 100, RowPlan((58, 50, 44, 36, 30, 22, 15, 8)), 206, 206 * 1e-4)
-    # outputs: rows read by the next layer, then one logit row: 50+44+36+30+22+15+8+1
-    assert plan.replay_tokens == 58
+    assert plan == ReplayPlan("exact", 100, 100, RowPlan(MINI_STAIRCASE), 204, 204 * 1e-4)
+    # outputs: rows read by the next layer, then one logit row: 50+43+36+29+22+15+8+1
+    assert plan.replay_tokens == 57
     assert plan.to_dict() == {
-        "mode": "exact", "num_tokens": 100, "persisted_tokens": 100, "replay_tokens": 58, "row_layers": 206,
-        "layer_rows": [58, 50, 44, 36, 30, 22, 15, 8], "est_seconds": 206 * 1e-4,
+        "mode": "exact", "num_tokens": 100, "persisted_tokens": 100, "replay_tokens": 57, "row_layers": 204,
+        "layer_rows": list(MINI_STAIRCASE), "est_seconds": 204 * 1e-4,
     }
 
 
 def test_plan_replay_bounded_is_w_plus_slack_and_off_is_a_reprefill() -> None:
     bounded = plan_replay(MINI, COSTS, "bounded", 101, 100)
-    assert bounded.rows == RowPlan((9, 9, 9, 9, 9, 8, 8, 8))
-    assert (bounded.persisted_tokens, bounded.replay_tokens, bounded.row_layers) == (100, 9, 9 * 4 + 8 * 3 + 1)
+    assert bounded.rows == RowPlan((8,) * 8)
+    assert (bounded.persisted_tokens, bounded.replay_tokens, bounded.row_layers) == (100, 8, 8 * 7 + 1)
     assert plan_replay(MINI, COSTS, "bounded", 100, 100, slack=8).rows == RowPlan((16,) * 8)
     off = plan_replay(MINI, COSTS, "off", 100, 100)
     assert off == ReplayPlan("off", 100, 0, None, 800, 100 * 1e-3)  # nothing loaded, T x L rows
