@@ -752,6 +752,7 @@ class StateStoreServer:
         return store
 
     async def start(self) -> int:
+        """Open everything and bind; on any failure, close what was opened (the SSD lock included)."""
         c = self.config
         secret = await asyncio.to_thread(load_secret, c.data_dir / "secret")
         self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
@@ -760,6 +761,26 @@ class StateStoreServer:
         self.sessions = ss.SessionManager(self.store, self.adapter, ss.SessionConfig(
             secret=secret, block_size=c.block_size, durability=Durability[c.durability.upper()],
             default_mode=c.default_mode, keep_rings_ttl_s=c.keep_rings_ttl_s or None))
+        server = self._build_grpc_server()
+        try:
+            self.port = self._bind(server)
+            await server.start()
+            self._server = server
+            self.started_at = time.monotonic()
+            for name in ("", *SERVICE_NAMES):
+                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if c.metrics_port:
+                self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
+        except BaseException:
+            self._server = None
+            await server.stop(0)
+            await self._close_layers()
+            raise
+        logger.info("statestore serving on %s (port %d), engine %s", c.listen, self.port, self.adapter.model_name)
+        return self.port
+
+    def _build_grpc_server(self) -> grpc.aio.Server:
+        c = self.config
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", c.max_message_bytes),
                                           ("grpc.max_send_message_length", c.max_message_bytes),
                                           ("grpc.so_reuseport", 0)])
@@ -767,33 +788,35 @@ class StateStoreServer:
         sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        if c.tls_cert is not None and c.tls_key is not None:
-            creds = grpc.ssl_server_credentials([(c.tls_key.read_bytes(), c.tls_cert.read_bytes())])
-            self.port = server.add_secure_port(c.listen, creds)
-        else:
-            self.port = server.add_insecure_port(c.listen)
-        if not self.port:
+        return server
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        c = self.config
+        try:
+            if c.tls_cert is not None and c.tls_key is not None:
+                creds = grpc.ssl_server_credentials([(c.tls_key.read_bytes(), c.tls_cert.read_bytes())])
+                port = server.add_secure_port(c.listen, creds)
+            else:
+                port = server.add_insecure_port(c.listen)
+        except RuntimeError as exc:  # grpc raises when the address is taken or unusable
+            raise OSError(f"cannot bind {c.listen}: {exc}") from None
+        if not port:
             raise OSError(f"cannot bind {c.listen}")
-        await server.start()
-        self._server = server
-        self.started_at = time.monotonic()
-        for name in ("", *SERVICE_NAMES):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if c.metrics_port:
-            self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
-        logger.info("statestore serving on %s (port %d), engine %s", c.listen, self.port, self.adapter.model_name)
-        return self.port
+        return port
+
+    async def _close_layers(self) -> None:
+        await self.sessions.aclose()
+        await self.store.aclose()
+        self.metrics.close()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Idempotent graceful stop."""
+        """Idempotent graceful stop: health NOT_SERVING, in-flight calls get `grace` seconds."""
         if self._server is None:
             return
         server, self._server = self._server, None
         await self._health.enter_graceful_shutdown()
         await server.stop(self.config.grace_s if grace is None else grace)
-        await self.sessions.aclose()
-        await self.store.aclose()
-        self.metrics.close()
+        await self._close_layers()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def config(tmp_path: Path, **kw: object) -> ServiceConfig:
-    return ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", **kw)  # type: ignore[arg-type]
+    kw.setdefault("listen", "127.0.0.1:0")
+    return ServiceConfig(data_dir=tmp_path, engine_preset="mini", **kw)  # type: ignore[arg-type]
 
 
 async def test_stop_lets_in_flight_calls_finish_then_refuses(tmp_path: Path) -> None:
@@ -117,3 +118,15 @@ async def test_tls_when_a_certificate_is_configured(tmp_path: Path) -> None:
             with pytest.raises(ServiceError) as info:
                 await plain.stats()
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_failed_bind_releases_the_data_dir(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}"):
+            await StateStoreServer(config(tmp_path, listen=f"127.0.0.1:{port}")).start()
+    async with StateStoreServer(config(tmp_path)) as srv:  # the SSD directory lock was released
+        async with StateStoreClient(f"127.0.0.1:{srv.port}") as c:
+            assert await c.health() == "SERVING"
