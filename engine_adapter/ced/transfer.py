@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from .codecs import (dequantize_fp8, fp4_from_bytes, fp8_from_bytes, fp8_row_bytes, quantize_fp8_e8m0,
+from .codecs import (PackedFP4, dequantize_fp8, fp4_from_bytes, fp8_from_bytes, fp8_row_bytes, quantize_fp8_e8m0,
                      to_bytes)
 from .config import INDEX_BLOCK, MAIN_BLOCK, RING_BLOCK, CEDConfig
 from .layers import compute_dtype
@@ -257,3 +257,61 @@ def import_tokens(state: SequenceState, payload: bytes) -> None:
         raise ValueError(f"import_tokens: payload of {len(payload)} bytes is not whole int32 tokens")
     device = state.tokens.view().device
     state.tokens.append(_tensor_from(payload, torch.int32, (len(payload) // 4,), device).long())
+
+
+# ---------------------------------------------------------------------- device-side import (GPU resume)
+
+
+def split_block_rows(config: CEDConfig, pages: torch.Tensor, block_tokens: int, row_bytes: int) -> list[torch.Tensor]:
+    """Per-source entry rows from the payloads of whole blocks, without leaving the device.
+
+    Args:
+        pages: uint8 [n, >= payload] : row i holds block i's record payload (the hbm tier's
+            pages, gathered by slot id), blocks consecutive in token order.
+        block_tokens: B, a multiple of every ratio (so each block holds B / r entries a source).
+        row_bytes: `config.main_row_bytes` (GLOBAL_KV) or `config.index_row_bytes` (INDEX_K).
+
+    Returns:
+        One uint8 [n * B / r_s, row_bytes] tensor per KV source, `kv_source_layer_ids` order.
+    """
+    per_block = [block_tokens // config.compress_ratios[s] for s in config.kv_source_layer_ids]
+    payload = sum(per_block) * row_bytes
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] < payload:
+        raise ValueError(f"split_block_rows: pages must be uint8 [n, >= {payload}], got {pages.dtype} "
+                         f"{tuple(pages.shape)}")
+    rows = pages[:, :payload].view(pages.shape[0], sum(per_block), row_bytes)
+    out, at = [], 0
+    for m in per_block:
+        out.append(rows[:, at: at + m].reshape(-1, row_bytes))
+        at += m
+    return out
+
+
+def import_global_rows(config: CEDConfig, state: SequenceState, start: int, end: int,
+                       main_rows: list[torch.Tensor], index_rows: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """`import_global` from per-source uint8 row tensors already on the state's device.
+
+    The GPU resume path: rows come straight from the hbm tier's pages (`split_block_rows`),
+    so nothing crosses PCIe again and dequantization runs on the device (Triton on CUDA).
+    """
+    check_token_range(config, start, end)
+    n = len(config.kv_source_layer_ids)
+    if len(main_rows) != n or len(index_rows) != n:
+        raise ValueError(f"import_global_rows: need {n} main and {n} index row tensors, got "
+                         f"{len(main_rows)} and {len(index_rows)}")
+    for i, sid in enumerate(config.kv_source_layer_ids):
+        src, want = state.sources[sid], entries_in(config, sid, start, end)
+        if src.covered_tokens != start:
+            raise ValueError(f"import_global_rows: source {sid} covers tokens [0, {src.covered_tokens}); entries "
+                             f"must be imported in order starting there, got start {start}")
+        for what, t, width in (("main", main_rows[i], config.main_row_bytes),
+                               ("index", index_rows[i], config.index_row_bytes)):
+            if t.dtype != torch.uint8 or tuple(t.shape) != (want, width):
+                raise ValueError(f"import_global_rows: source {sid} {what} rows must be uint8 [{want}, {width}], "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+    d, di = config.d_latent, config.index_dim
+    for i, sid in enumerate(config.kv_source_layer_ids):
+        m, k = main_rows[i], index_rows[i]
+        main = PackedFP4(m[:, : d // 2], m[:, d // 2:], MAIN_BLOCK, "e4m3")
+        index = PackedFP4(k[:, : di // 2], k[:, di // 2:], INDEX_BLOCK, "e8m0")
+        state.sources[sid].append(main, index, dtype)
