@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine_adapter.base import StateKind
+from statestore.sessions import MANIFEST_KIND
 from statestore.types import TierName, TierStats
 
 RESUME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -24,7 +25,7 @@ RESUME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 
 def kind_name(kind: int) -> str:
     """Human name of a record kind code (model kinds, the session manifest, or the number)."""
-    if kind == 0x100:
+    if kind == MANIFEST_KIND:
         return "MANIFEST"
     try:
         return StateKind(kind).name
