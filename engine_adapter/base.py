@@ -181,7 +181,8 @@ class EngineAdapter(Protocol):
 
     @property
     def token_alignment(self) -> int:
-        """Exported token ranges must start and end on multiples of this (compression groups)."""
+        """Exported token ranges start on multiples of this (compression groups); only a
+        sequence's last range may end unaligned (its open group travels as rebuildable state)."""
 
     def replay_geometry(self) -> ReplayGeometry: ...
 

@@ -39,8 +39,8 @@ from engine_adapter.base import Codec, EngineAdapter, StateKind, StatePayload
 from replay import ReplayPlan, execute_replay, plan_replay
 from statestore.keys import BlockHasher, check_block_size, derive_tenant_salt, tenant_id
 from statestore.store import TieredStore
-from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, PutHints, TierName
-from tiers.record import KEY_BYTES, ZERO_KEY, Record, RecordKey, make_record, make_record_key
+from statestore.types import TIER_ORDER, Durability, PutHints, TierName
+from tiers.record import HEADER_SIZE, KEY_BYTES, ZERO_KEY, Record, RecordKey, make_record, make_record_key
 
 logger = logging.getLogger(__name__)
 
@@ -506,25 +506,43 @@ class SessionManager:
     # ----- resume ----------------------------------------------------------------------------
 
     async def plan_resume(self, tenant: str, session_id: str, mode: str | None = None) -> ResumePlan:
-        """Bytes to load per tier, rows to replay and the estimated seconds, without resuming."""
+        """Bytes to load per tier, rows to replay and the estimated seconds, without resuming.
+
+        Sizes come from the local index; records only a shared tier holds (another node wrote
+        them) are sized from the engine's specs, so a fresh node's plan is not empty.
+        """
         mode = self._check_mode(mode)
         manifest = await self._require_manifest(tenant, session_id)
         block_records = self._block_record_keys(manifest)
         lookup = await self.store.lookup(block_records)
         loaded_blocks = lookup.combined // 2
+        tail_and_tokens = self._object_keys(tenant, session_id, manifest)[:3]
         bytes_by_tier: dict[str, int] = {}
-        for key in block_records[: 2 * loaded_blocks] + self._object_keys(tenant, session_id, manifest)[:3]:
-            meta = self.store.meta(key)
-            if meta is None:
-                continue
-            tier = next((t for t in TIER_ORDER if t in meta.tiers), TierName.REDIS)
-            bytes_by_tier[tier.value] = bytes_by_tier.get(tier.value, 0) + meta.size_bytes
+        for i, key in enumerate(block_records[: 2 * loaded_blocks] + tail_and_tokens):
+            tier, nbytes = self._fastest_copy(key, manifest, lookup.per_tier, i)
+            bytes_by_tier[tier.value] = bytes_by_tier.get(tier.value, 0) + nbytes
         persisted = manifest.tail_end if loaded_blocks == len(manifest.block_keys) else loaded_blocks * manifest.block_size
         plan = plan_replay(self.adapter.replay_geometry(), self.adapter.costs(), mode, manifest.num_tokens, persisted)
-        est_load = sum(DEFAULT_TIER_PROFILES[TierName(t)].latency_s + b / DEFAULT_TIER_PROFILES[TierName(t)].bandwidth_bytes_per_s
-                       for t, b in bytes_by_tier.items())
+        est_load = sum(self.store.load_time_s(TierName(t), b) for t, b in bytes_by_tier.items())
         return ResumePlan(session_id, manifest.num_tokens, bytes_by_tier, len(manifest.block_keys) - loaded_blocks,
                           self._rings_valid(manifest), plan, est_load)
+
+    def _fastest_copy(self, key: RecordKey, manifest: Manifest, prefix_hits: dict[TierName, int],
+                      position: int) -> tuple[TierName, int]:
+        """Where a resume would read `key` from, and its bytes (estimated from specs if unindexed)."""
+        meta = self.store.meta(key)
+        if meta is not None and meta.tiers:
+            return next(t for t in TIER_ORDER if t in meta.tiers), meta.size_bytes
+        tier = next((t for t in TIER_ORDER if prefix_hits.get(t, 0) > position), TierName.REDIS)
+        kind = StateKind(int.from_bytes(key[:2], "big"))
+        if kind is StateKind.TOKENS:
+            tokens = manifest.num_tokens
+        elif position < 2 * len(manifest.block_keys):
+            tokens = manifest.block_size
+        else:
+            tokens = manifest.tail_end - manifest.tail_start
+        spec = next(s for s in self.adapter.state_specs() if s.kind is kind)
+        return tier, HEADER_SIZE + spec.bytes_for_tokens(tokens)
 
     async def resume(self, tenant: str, session_id: str, mode: str | None = None) -> ResumeReport:
         """Load the last checkpoint into a fresh engine state and make it ready to generate."""

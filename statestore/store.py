@@ -733,3 +733,8 @@ class TieredStore:
 
     def _costs(self) -> dict[TierName, TierCost]:
         return {n: self._tier_cost(n) for n in self._tiers}
+
+    def load_time_s(self, name: TierName, nbytes: int) -> float:
+        """Modeled seconds to read `nbytes` from tier `name` (its profile: calibrated or default)."""
+        profile = self._config.tier_profiles.get(name) or DEFAULT_TIER_PROFILES[name]
+        return profile.latency_s + nbytes / profile.bandwidth_bytes_per_s

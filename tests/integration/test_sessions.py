@@ -516,6 +516,9 @@ async def test_resume_from_redis_alone_after_the_ssd_directory_is_wiped(open_nod
 
     second = await open_node(tmp_path / "node-b", redis=RedisTier(redis_url, prefix=redis_prefix))
     assert files_by_kind(tmp_path / "node-b") == {}
+    plan = await second.sessions.plan_resume(TENANT, "s", "exact")  # sized from the specs: nothing indexed here
+    assert plan.bytes_by_tier == {"redis": global_bytes(70) + 4 * 70 + 11 * HEADER_SIZE}
+    assert plan.est_load_seconds > 0 and plan.missing_blocks == 0
     resumed = await second.sessions.resume(TENANT, "s", "exact")
     assert (resumed.mode, resumed.persisted_tokens, resumed.bytes_loaded) == (
         "exact", 70, global_bytes(70) + 4 * 70)
