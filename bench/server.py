@@ -211,7 +211,7 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_b
     return row
 
 
-async def run(quick: bool) -> None:
+async def run(quick: bool, results_name: str = "server") -> None:
     levels = [1, 4, 16, 64]
     sizes = [256 << 10, 1 << 20, 4 << 20]
     seconds = 1.0 if quick else 3.0
@@ -239,7 +239,7 @@ async def run(quick: bool) -> None:
     floors = {f"{d}_{r['record_bytes'] >> 10}KiB_vs_echo": Floor(r[f"{d}_ratio"], 0.7)
               for r in stream_rows for d in ("put", "get")}
     print_floors(floors)
-    path = write_results("server", device="cpu",
+    path = write_results(results_name, device="cpu",
                          params={"quick": quick, "lookup_seconds": seconds, "stream_total_bytes": total,
                                  "chunk_bytes": CHUNK_BYTES, "clients": levels, "record_sizes": sizes,
                                  "engine": "mini", "repeats": repeats},
@@ -250,8 +250,10 @@ async def run(quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a run under a minute on 2 cores")
+    parser.add_argument("--results-name", default="server",
+                        help="results file bench/results/<name>.json (e.g. server-h200-host for another machine's CPU)")
     args = parser.parse_args()
-    asyncio.run(run(args.quick))
+    asyncio.run(run(args.quick, args.results_name))
 
 
 if __name__ == "__main__":
