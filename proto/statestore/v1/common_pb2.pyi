@@ -38,7 +38,7 @@ class RecordStart(_message.Message):
     durability: Durability
     pin: bool
     found: bool
-    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: _Optional[bool] = ..., found: _Optional[bool] = ...) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: bool = ..., found: bool = ...) -> None: ...
 
 class RecordInfo(_message.Message):
     __slots__ = ("key", "kind", "kind_name", "size_bytes", "tiers", "pinned", "durability", "created_at", "last_access", "access_count", "model_fingerprint", "token_start", "token_end", "retention", "explain_json")
@@ -72,7 +72,7 @@ class RecordInfo(_message.Message):
     token_end: int
     retention: str
     explain_json: str
-    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[int] = ..., kind_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., pinned: _Optional[bool] = ..., durability: _Optional[_Union[Durability, str]] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., access_count: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., retention: _Optional[str] = ..., explain_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., kind: _Optional[int] = ..., kind_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., pinned: bool = ..., durability: _Optional[_Union[Durability, str]] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., access_count: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., retention: _Optional[str] = ..., explain_json: _Optional[str] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")

@@ -27,7 +27,7 @@ class SessionInfo(_message.Message):
     checkpoint_version: int
     checkpointed_tokens: int
     message_boundaries: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., live: _Optional[bool] = ..., checkpoint_version: _Optional[int] = ..., checkpointed_tokens: _Optional[int] = ..., message_boundaries: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., live: bool = ..., checkpoint_version: _Optional[int] = ..., checkpointed_tokens: _Optional[int] = ..., message_boundaries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session_id", "token_ids")
@@ -136,7 +136,7 @@ class ResumePlanInfo(_message.Message):
     replay: _common_pb2.ReplayPlanInfo
     est_load_seconds: float
     est_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_by_tier: _Optional[_Iterable[_Union[_common_pb2.TierBytes, _Mapping]]] = ..., missing_blocks: _Optional[int] = ..., rings_available: _Optional[bool] = ..., replay: _Optional[_Union[_common_pb2.ReplayPlanInfo, _Mapping]] = ..., est_load_seconds: _Optional[float] = ..., est_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_by_tier: _Optional[_Iterable[_Union[_common_pb2.TierBytes, _Mapping]]] = ..., missing_blocks: _Optional[int] = ..., rings_available: bool = ..., replay: _Optional[_Union[_common_pb2.ReplayPlanInfo, _Mapping]] = ..., est_load_seconds: _Optional[float] = ..., est_seconds: _Optional[float] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
@@ -152,4 +152,4 @@ class DeleteInfo(_message.Message):
     __slots__ = ("done",)
     DONE_FIELD_NUMBER: _ClassVar[int]
     done: bool
-    def __init__(self, done: _Optional[bool] = ...) -> None: ...
+    def __init__(self, done: bool = ...) -> None: ...

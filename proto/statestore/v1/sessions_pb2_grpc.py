@@ -5,7 +5,7 @@ import warnings
 
 from proto.statestore.v1 import sessions_pb2 as proto_dot_statestore_dot_v1_dot_sessions__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SessionsStub:
+class SessionsStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -86,7 +86,7 @@ class SessionsStub:
                 _registered_method=True)
 
 
-class SessionsServicer:
+class SessionsServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Create(self, request, context):
@@ -217,7 +217,7 @@ def add_SessionsServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Sessions:
+class Sessions(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -43,7 +43,7 @@ class RegisterModelResponse(_message.Message):
     HOSTED_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     hosted: bool
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., hosted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., hosted: bool = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("block_keys", "kinds", "num_tokens", "block_size", "mode", "model_fingerprint")
@@ -133,7 +133,7 @@ class EvictRequest(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tiers: _containers.RepeatedScalarFieldContainer[str]
     force: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[str]] = ..., force: bool = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted",)
@@ -183,7 +183,7 @@ class TierStatsInfo(_message.Message):
     resident_bytes: int
     fill: float
     healthy: bool
-    def __init__(self, tier: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., fill: _Optional[float] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tier: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., fill: _Optional[float] = ..., healthy: bool = ...) -> None: ...
 
 class KindStatsInfo(_message.Message):
     __slots__ = ("tier", "kind", "kind_name", "num_records", "resident_bytes", "hits", "misses", "evictions", "promotions")
@@ -221,7 +221,7 @@ class ListResponse(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[_common_pb2.RecordInfo]
     truncated: bool
-    def __init__(self, records: _Optional[_Iterable[_Union[_common_pb2.RecordInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, records: _Optional[_Iterable[_Union[_common_pb2.RecordInfo, _Mapping]]] = ..., truncated: bool = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("key",)

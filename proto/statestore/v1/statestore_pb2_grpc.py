@@ -6,7 +6,7 @@ import warnings
 from proto.statestore.v1 import common_pb2 as proto_dot_statestore_dot_v1_dot_common__pb2
 from proto.statestore.v1 import statestore_pb2 as proto_dot_statestore_dot_v1_dot_statestore__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class StateStoreStub:
+class StateStoreStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -87,7 +87,7 @@ class StateStoreStub:
                 _registered_method=True)
 
 
-class StateStoreServicer:
+class StateStoreServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterModel(self, request, context):
@@ -221,7 +221,7 @@ def add_StateStoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class StateStore:
+class StateStore(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
