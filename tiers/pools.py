@@ -251,12 +251,17 @@ class PagePool:
             buf[at:at + len(chunk)] = chunk
 
     def read(self, page_ids: Iterable[int], length: int) -> bytes:
+        """The bytes of a record's pages, copied once (views into the slabs, one join)."""
         parts = []
         for i, pid in enumerate(page_ids):
             n = min(self.page_bytes, length - i * self.page_bytes)
             buf, at = self._locate(pid)
-            parts.append(buf[at:at + n])
-        return b"".join(parts)
+            parts.append(memoryview(buf)[at:at + n])
+        try:
+            return b"".join(parts)
+        finally:
+            for view in parts:  # an exported view would keep its slab from closing
+                view.release()
 
 
 @dataclass(frozen=True, slots=True)
