@@ -51,7 +51,7 @@ from engine_adapter.ced.plan import prefill_plan, replay_rows
 from statestore.sessions import SessionConfig, SessionManager
 from statestore.store import TieredStore, make_page_sizes
 from statestore.types import Durability
-from tiers.hbm import HbmTier, plan_slots
+from tiers.hbm import HbmTier, PinnedHostTier, plan_slots
 from tiers.host import HostTier
 from tiers.record import Record, split_record_key
 from tiers.ssd import SSDTier
@@ -226,7 +226,7 @@ class ResumeTimer:
             h.remove()
 
 
-def import_chunk(engine: CEDEngine, hbm: HbmTier, state: Any, mains: Sequence[Record], indexes: Sequence[Record],
+def import_chunk(engine: CEDEngine, hbm: HbmTier, state: Any, main_keys: Sequence[bytes], index_keys: Sequence[bytes],
                  first_block: int, events: Sequence[Any]) -> None:
     """Wait for a chunk's copies, then import its blocks from the pages (dequantized on the device)."""
     if on_cuda():
@@ -235,8 +235,8 @@ def import_chunk(engine: CEDEngine, hbm: HbmTier, state: Any, mains: Sequence[Re
             cur.wait_event(ev)
     c = engine.config
     pages = []
-    for recs, kind in ((mains, int(StateKind.GLOBAL_KV)), (indexes, int(StateKind.INDEX_K))):
-        slots = [hbm.slot_ids(r.key)[0] for r in recs]
+    for keys, kind in ((main_keys, int(StateKind.GLOBAL_KV)), (index_keys, int(StateKind.INDEX_K))):
+        slots = [hbm.slot_ids(k)[0] for k in keys]
         pool = hbm.pools[kind].tensor
         if slots == list(range(slots[0], slots[0] + len(slots))):
             pages.append(pool[slots[0]: slots[0] + len(slots)])
@@ -245,20 +245,20 @@ def import_chunk(engine: CEDEngine, hbm: HbmTier, state: Any, mains: Sequence[Re
     main_rows = transfer.split_block_rows(c, pages[0], BLOCK, c.main_row_bytes)
     index_rows = transfer.split_block_rows(c, pages[1], BLOCK, c.index_row_bytes)
     start = first_block * BLOCK
-    transfer.import_global_rows(c, state, start, start + len(mains) * BLOCK, main_rows, index_rows, engine.dtype)
+    transfer.import_global_rows(c, state, start, start + len(main_keys) * BLOCK, main_rows, index_rows, engine.dtype)
 
 
-def load_and_import(engine: CEDEngine, hbm: HbmTier, mains: Sequence[Record], indexes: Sequence[Record],
-                    chunk_blocks: int = 64) -> Any:
-    """Pipelined: the copies of chunk j+1 are issued (their host packing overlaps the device)
-    before chunk j is imported, so its dequantization overlaps the copy of the next."""
+def load_and_import(engine: CEDEngine, hbm: HbmTier, host: PinnedHostTier, main_keys: Sequence[bytes],
+                    index_keys: Sequence[bytes], chunk_blocks: int = 64) -> Any:
+    """Pipelined: the copies of chunk j+1 (pinned host pages -> HBM, on the tier's stream) are
+    issued before chunk j is imported, so its dequantization overlaps the next copy."""
     state = engine.new_state()
     pending = None
-    for b0 in range(0, len(mains), chunk_blocks):
-        m, k = mains[b0: b0 + chunk_blocks], indexes[b0: b0 + chunk_blocks]
-        events = hbm.load(list(m) + list(k), checksums=False)
+    for b0 in range(0, len(main_keys), chunk_blocks):
+        m, k = main_keys[b0: b0 + chunk_blocks], index_keys[b0: b0 + chunk_blocks]
+        events = hbm.load_from(host, list(m) + list(k))
         if any(e is None for e in events):
-            raise MemoryError("hbm tier full during a resume")
+            raise MemoryError("a block is not in the pinned host pools, or the hbm tier is full")
         if pending is not None:
             import_chunk(engine, hbm, state, *pending)
         pending = (m, k, b0, events)
@@ -267,9 +267,9 @@ def load_and_import(engine: CEDEngine, hbm: HbmTier, mains: Sequence[Record], in
     return state
 
 
-async def drop_all(hbm: HbmTier, records: Sequence[Record]) -> None:
-    for r in records:
-        await hbm.delete(r.key)
+async def drop_all(hbm: HbmTier, keys: Sequence[bytes]) -> None:
+    for k in keys:
+        await hbm.delete(k)
 
 
 def replay_plan(c: CEDConfig, mode: str, num_tokens: int):
@@ -278,24 +278,23 @@ def replay_plan(c: CEDConfig, mode: str, num_tokens: int):
     return replay_rows(c, "exact", num_tokens, published_tokens=num_tokens)
 
 
-async def gpu_resume(engine: CEDEngine, store: TieredStore, hbm: HbmTier, tokens: list[int], mode: str,
-                     keys: Sequence[Any]) -> dict[str, Any]:
-    """Host RAM -> first new token: store gets, hbm load + import (pipelined), replay, argmax."""
+async def gpu_resume(engine: CEDEngine, store: TieredStore, host: PinnedHostTier, hbm: HbmTier, tokens: list[int],
+                     mode: str, main_keys: Sequence[bytes], index_keys: Sequence[bytes]) -> dict[str, Any]:
+    """Host RAM -> first new token: index lookup, hbm load + import (pipelined), replay, argmax."""
     sync()
     t0 = time.perf_counter()
-    records = [await store.get(k) for k in keys]
+    if any(store.meta(k) is None for k in main_keys) or any(store.meta(k) is None for k in index_keys):
+        raise RuntimeError("the checkpoint is not in the store")
     t_get = time.perf_counter() - t0
-    mains = sorted((r for r in records if r.header.kind == int(StateKind.GLOBAL_KV)), key=lambda r: r.header.token_start)
-    indexes = sorted((r for r in records if r.header.kind == int(StateKind.INDEX_K)), key=lambda r: r.header.token_start)
-    state = load_and_import(engine, hbm, mains, indexes)
+    state = load_and_import(engine, hbm, host, main_keys, index_keys)
     sync()
     t_load = time.perf_counter() - t0 - t_get
     logits = engine.replay(state, tokens, replay_plan(engine.config, mode, len(tokens)))
     first = int(torch.argmax(logits))
     total = time.perf_counter() - t0
-    await drop_all(hbm, records)
+    await drop_all(hbm, list(main_keys) + list(index_keys))
     return {"total_s": total, "get_s": t_get, "load_import_s": t_load, "replay_s": total - t_get - t_load,
-            "first_token": first, "logits": logits.float(), "state": state, "bytes": sum(len(r.payload) for r in records)}
+            "first_token": first, "logits": logits.float(), "state": state}
 
 
 def median_of(runs: list[dict[str, Any]], key: str) -> float:
@@ -313,7 +312,11 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     tokens = torch.randint(0, c.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(num_tokens)).tolist()
     page_sizes = make_page_sizes(adapter.state_specs(), BLOCK)
     ssd_dir = work / f"ssd-{label}"
-    host = HostTier(4 << 30, page_sizes)
+    nblocks = num_tokens // BLOCK
+    pinned_kinds = {int(StateKind.GLOBAL_KV): page_sizes[int(StateKind.GLOBAL_KV)],
+                    int(StateKind.INDEX_K): page_sizes[int(StateKind.INDEX_K)]}
+    host = PinnedHostTier(HostTier(4 << 30, page_sizes), pinned_kinds, {k: nblocks + 4 for k in pinned_kinds},
+                          pin=on_cuda())
     ssd = await SSDTier.create(ssd_dir)
     store = TieredStore(host=host, ssd=ssd)
     await store.open()
@@ -345,7 +348,10 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
                      "vs_890": u.resident_bytes / num_tokens / BYTES_PER_TOKEN, "records": u.num_records,
                      "checkpoint_s": report.seconds, "checkpoint_bytes_written": report.total_bytes})
     keys = [k for k in store.keys() if split_record_key(k)[0] in (int(StateKind.GLOBAL_KV), int(StateKind.INDEX_K))]
-    nblocks = num_tokens // BLOCK
+    heads = {k: (await store.get(k)).header for k in keys}
+    main_keys = sorted((k for k in keys if heads[k].kind == int(StateKind.GLOBAL_KV)), key=lambda k: heads[k].token_start)
+    index_keys = sorted((k for k in keys if heads[k].kind == int(StateKind.INDEX_K)), key=lambda k: heads[k].token_start)
+    keys = main_keys + index_keys
 
     # 1: HBM residency of the session's global state, pools sized for exactly this session
     sync()
@@ -364,23 +370,27 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
                  "payload_bytes_per_token": payload / num_tokens,
                  "padding_header_index_bytes_per_token": (acc - payload) / num_tokens, "records": len(records)})
     floors[f"hbm_residency_vs_890_{label}"] = Floor(acc / num_tokens / BYTES_PER_TOKEN, 1.05, higher_is_better=False)
-    await drop_all(hbm, records)
+    await drop_all(hbm, keys)
     nbytes = sum(len(r.payload) for r in records)
 
     # 3: host -> HBM load of the checkpoint vs one plain pinned copy of the same bytes
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda())
     dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     ref_s = statistics.median(wall(lambda: dev.copy_(pinned, non_blocking=True))[0] for _ in range(max(5, repeats)))
-    load_s, load_ck_s = [], []
+    load_s, stage_s, stage_ck_s = [], [], []
     for _ in range(max(5, repeats)):
-        for ck, out in ((False, load_s), (True, load_ck_s)):
-            t, evs = wall(lambda: [e.synchronize() for e in hbm.load(records, checksums=ck)])
+        for how, out in (("pinned", load_s), ("staged", stage_s), ("staged+checksums", stage_ck_s)):
+            if how == "pinned":
+                t, _ = wall(lambda: [e.synchronize() for e in hbm.load_from(host, keys)])
+            else:
+                t, _ = wall(lambda: [e.synchronize() for e in hbm.load(records, checksums=how != "staged")])
             out.append(t)
-            await drop_all(hbm, records)
+            await drop_all(hbm, keys)
     ratio = ref_s / statistics.median(load_s)
     rows.append({"figure": "3 host->HBM load", "tokens": num_tokens, "bytes": nbytes,
-                 "load_GBps": nbytes / statistics.median(load_s) / 1e9,
-                 "load_with_checksums_GBps": nbytes / statistics.median(load_ck_s) / 1e9,
+                 "load_from_pinned_host_tier_GBps": nbytes / statistics.median(load_s) / 1e9,
+                 "load_from_bytes_via_staging_GBps": nbytes / statistics.median(stage_s) / 1e9,
+                 "staging_with_checksums_GBps": nbytes / statistics.median(stage_ck_s) / 1e9,
                  "pinned_copy_GBps": nbytes / ref_s / 1e9, "vs_pinned_copy": ratio})
     floors[f"h2d_load_vs_pinned_copy_{label}"] = Floor(ratio, 0.8)
 
@@ -392,7 +402,7 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     for e in hbm.load([r for r in ssd_records if r is not None], checksums=False):
         e.synchronize()
     ssd_s = time.perf_counter() - t0
-    await drop_all(hbm, records)
+    await drop_all(hbm, keys)
     plain = work / f"plain-{label}.bin"
     with open(plain, "wb") as f:
         f.write(b"".join(r.payload for r in records))
@@ -413,12 +423,13 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
 
     # 4: resume from host RAM, bounded and exact, vs the re-prefill
     for mode in ("bounded", "exact"):
-        await gpu_resume(engine, store, hbm, tokens, mode, keys)  # warm-up
-        runs = [await gpu_resume(engine, store, hbm, tokens, mode, keys) for _ in range(repeats)]
+        await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys, index_keys)  # warm-up
+        runs = [await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys, index_keys)
+                for _ in range(repeats)]
         best = runs[-1]
         dl = (best["logits"] - live_logits).abs().max().item()
         rows.append({"figure": "4 resume", "tokens": num_tokens, "mode": f"hbm load + {mode} replay",
-                     "ttft_s": median_of(runs, "total_s"), "store_get_s": median_of(runs, "get_s"),
+                     "ttft_s": median_of(runs, "total_s"), "index_lookup_s": median_of(runs, "get_s"),
                      "load_import_s": median_of(runs, "load_import_s"), "replay_s": median_of(runs, "replay_s"),
                      "speedup_vs_reprefill": prefill_s / median_of(runs, "total_s"),
                      "top1_equals_live": best["first_token"] == first_live, "max_abs_dlogit_vs_live": dl})
@@ -454,7 +465,8 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     del main8, idx8, ring8, host8
 
     if do_profile and on_cuda():
-        profile.update(await profile_resume(engine, store, hbm, tokens, keys, resumed, first_live))
+        profile.update(await profile_resume(engine, store, host, hbm, tokens, main_keys, index_keys, resumed,
+                                            first_live))
     del resumed
     await mgr.aclose()
     await store.aclose()
@@ -465,24 +477,23 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
         torch.cuda.empty_cache()
 
 
-async def profile_resume(engine: CEDEngine, store: TieredStore, hbm: HbmTier, tokens: list[int], keys: Sequence[Any],
+async def profile_resume(engine: CEDEngine, store: TieredStore, host: PinnedHostTier, hbm: HbmTier,
+                         tokens: list[int], main_keys: Sequence[bytes], index_keys: Sequence[bytes],
                          live_state: Any, token: int) -> dict[str, Any]:
     """Where one resume's time goes, stage by stage, unpipelined."""
     out: dict[str, Any] = {"tokens": len(tokens)}
+    keys = list(main_keys) + list(index_keys)
     sync()
     t0 = time.perf_counter()
-    records = [await store.get(k) for k in keys]
-    out["store get (host RAM, checksum verified)"] = time.perf_counter() - t0
-    mains = sorted((r for r in records if r.header.kind == 1), key=lambda r: r.header.token_start)
-    indexes = sorted((r for r in records if r.header.kind == 2), key=lambda r: r.header.token_start)
-    t, events = wall(lambda: hbm.load(mains + indexes, checksums=False) and None)
-    sync()
-    out["hbm load (pinned staging + H2D)"] = t
+    for k in keys:
+        await store.get(k)
+    out["(not on the GPU path) store.get of every record as bytes, checksum verified"] = time.perf_counter() - t0
+    t, _ = wall(lambda: hbm.load_from(host, keys) and None)
+    out["hbm load_from pinned host pools (H2D)"] = t
     state = engine.new_state()
-    t, _ = wall(lambda: import_chunk(engine, hbm, state, mains, indexes, 0,
-                                     [torch.cuda.Event() for _ in range(0)]))
+    t, _ = wall(lambda: import_chunk(engine, hbm, state, main_keys, index_keys, 0, []))
     out["import + dequantize (Triton)"] = t
-    await drop_all(hbm, records)
+    await drop_all(hbm, keys)
     for mode in ("bounded", "exact"):
         timer = ResumeTimer(engine)
         s2 = engine.new_state()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
+from tiers.host import HostTier
 from tiers.pools import record_overhead_bytes
 from tiers.record import Record, RecordKey, decode_header, encode_header, payload_checksum
 
@@ -56,13 +57,14 @@ class SlotPool:
     outcome), and `free`. Freed slots are reused lowest id first.
     """
 
-    def __init__(self, page_bytes: int, num_slots: int, device: torch.device, *, materialize: bool = True) -> None:
+    def __init__(self, page_bytes: int, num_slots: int, device: torch.device, *, materialize: bool = True,
+                 pin: bool = False) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise ValueError(f"a slot pool needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
         self.page_bytes = page_bytes
         self.num_slots = num_slots
-        self.tensor = (torch.empty(num_slots, page_bytes, dtype=torch.uint8, device=device) if materialize
-                       else None)
+        self.tensor = (torch.empty(num_slots, page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+                       if materialize else None)
         self._free = list(range(num_slots))  # sorted, hence a valid heap
         self._used = bytearray(num_slots)  # 1 = allocated; catches double frees
 
@@ -296,6 +298,68 @@ class HbmTier(Tier):
                         len(ids) * pool.page_bytes + record_overhead_bytes(len(ids)), +1)
         return events
 
+    def load_from(self, host: PinnedHostTier, keys: Sequence[RecordKey]) -> list[object | None]:
+        """Copy records held in `host`'s pinned pools straight into this tier: no staging copy.
+
+        Slots are reserved for the whole batch first, then one `cudaMemcpyAsync` is issued per
+        run of slots that is contiguous on both sides (a session checkpointed in order is one
+        run per kind), and the index is written while those copies fly. The payload checksums
+        the host tier computed at put are kept, so `get` still verifies. Returns one event per
+        key (None: not in a pinned pool of `host`, or no room here).
+        """
+        found = [(i, host.pinned_entry(k)) for i, k in enumerate(keys)]
+        found = [(i, e) for i, e in found if e is not None and e.kind in self.pools]
+        by_kind: dict[int, list[tuple[int, _Resident]]] = {}
+        for i, e in found:
+            by_kind.setdefault(e.kind, []).append((i, e))
+        events: list[object | None] = [None] * len(keys)
+        placed: list[tuple[int, _Resident, tuple[int, ...]]] = []
+        for kind, items in by_kind.items():
+            src_pool, dst_pool = host.pinned_pools[kind], self.pools[kind]
+            if src_pool.page_bytes != dst_pool.page_bytes:
+                raise ValueError(f"kind {kind}: host pages of {src_pool.page_bytes} B, hbm pages of {dst_pool.page_bytes} B")
+            need = sum(len(e.slot_ids) for _, e in items)
+            ids = dst_pool.allocate(need)
+            if ids is None:
+                continue
+            at, pairs = 0, []
+            for i, e in items:
+                mine = tuple(ids[at: at + len(e.slot_ids)])
+                at += len(e.slot_ids)
+                placed.append((i, e, mine))
+                pairs.extend(zip(e.slot_ids, mine))
+            event = self._copy_slot_pairs(src_pool, dst_pool, pairs)
+            for i, _ in items:
+                events[i] = event
+        for i, e, mine in placed:  # bookkeeping overlaps the copies in flight
+            self._drop(keys[i])
+            self._index[keys[i]] = _Resident(e.header, e.kind, mine, e.payload_len, e.verified)
+            page = self.pools[e.kind].page_bytes
+            self._count(e.kind, e.payload_len, len(mine) * page + record_overhead_bytes(len(mine)), +1)
+        return events
+
+    def _copy_slot_pairs(self, src: SlotPool, dst: SlotPool, pairs: list[tuple[int, int]]) -> object:
+        """One copy per run where both source and destination slots are consecutive."""
+        if dst.tensor is None or src.tensor is None:
+            return _Ready()
+        pairs.sort()
+        runs: list[list[int]] = []
+        for s_id, d_id in pairs:
+            if runs and runs[-1][0] + runs[-1][2] == s_id and runs[-1][1] + runs[-1][2] == d_id:
+                runs[-1][2] += 1
+            else:
+                runs.append([s_id, d_id, 1])
+        if self._stream is None:
+            for s_id, d_id, n in runs:
+                dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n])
+            return _Ready()
+        with torch.cuda.stream(self._stream):
+            for s_id, d_id, n in runs:
+                dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
     @staticmethod
     def _runs(records: Sequence[Record], slots: Sequence[tuple[int, ...] | None]) -> list[tuple[int, int, list[int]]]:
         """(kind, first slot, record indices) for each run of consecutive slots of one kind."""
@@ -394,3 +458,108 @@ def _pack(tasks: list[tuple[int, int, bytes]], checksums: bool) -> list[tuple[in
         ctypes.memmove(address, payload, len(payload))
         out.append((i, payload_checksum(payload) if checksums else 0))
     return out
+
+
+class PinnedHostTier(Tier):
+    """The host tier of a CUDA machine: the kinds the GPU reads in pinned slot pools, the rest in a HostTier.
+
+    Why: a load from pageable RAM needs a CPU copy into pinned staging first, which runs at
+    memcpy speed (a few GB/s a core) instead of PCIe speed. Records of the pinned kinds
+    (GLOBAL_KV, INDEX_K) live in pinned pages, so `HbmTier.load_from` moves them with
+    `cudaMemcpyAsync` alone. Other kinds (tokens, manifests, rings) go to `inner`. Named
+    "host": the store uses it as its host tier.
+
+    Args:
+        inner: the HostTier for every other kind (its budget is separate).
+        page_sizes / num_slots: the pinned kinds, as for `HbmTier`.
+        pin: False on machines without CUDA (tests).
+    """
+
+    name = "host"
+
+    def __init__(self, inner: HostTier, page_sizes: Mapping[int, int], num_slots: Mapping[int, int], *,
+                 pin: bool | None = None, materialize: bool = True) -> None:
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.inner = inner
+        self.pinned_pools = {k: SlotPool(page_sizes[k], n, torch.device("cpu"), materialize=materialize, pin=pin)
+                             for k, n in num_slots.items()}
+        self._index: dict[RecordKey, _Resident] = {}
+        self._tally: dict[int, list[int]] = {}
+
+    def pinned_entry(self, key: RecordKey) -> _Resident | None:
+        return self._index.get(key)
+
+    def _pool_of(self, kind: int) -> SlotPool | None:
+        return self.pinned_pools.get(kind)
+
+    async def put(self, record: Record) -> bool:
+        pool = self._pool_of(record.header.kind)
+        if pool is None:
+            return await self.inner.put(record)
+        ids = pool.allocate(_pages(len(record.payload), pool.page_bytes))
+        if ids is None:
+            return False
+        if pool.tensor is not None and record.payload:
+            for j, sid in enumerate(ids):  # one page per record in the usual case
+                chunk = record.payload[j * pool.page_bytes: (j + 1) * pool.page_bytes] if len(ids) > 1 \
+                    else record.payload
+                ctypes.memmove(pool.tensor[sid].data_ptr(), chunk, len(chunk))
+        header = encode_header(record.header, stored_length=len(record.payload), flags=0,
+                               checksum=payload_checksum(record.payload))
+        await self.delete(record.key)
+        self._index[record.key] = _Resident(header, record.header.kind, tuple(ids), len(record.payload), True)
+        t = self._tally.setdefault(record.header.kind, [0, 0, 0])
+        fp = len(ids) * pool.page_bytes + record_overhead_bytes(len(ids))
+        t[0], t[1], t[2] = t[0] + 1, t[1] + len(record.payload), t[2] + fp
+        return True
+
+    async def get(self, key: RecordKey) -> Record | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return await self.inner.get(key)
+        header, checksum = decode_header(entry.header)
+        pool = self.pinned_pools[entry.kind]
+        payload = b"" if pool.tensor is None else \
+            pool.tensor[list(entry.slot_ids)].reshape(-1)[: entry.payload_len].numpy().tobytes()
+        if payload_checksum(payload) != checksum:
+            await self.delete(key)
+            return None
+        return Record(header, payload)
+
+    async def delete(self, key: RecordKey) -> bool:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return await self.inner.delete(key)
+        pool = self.pinned_pools[entry.kind]
+        pool.free(entry.slot_ids)
+        t = self._tally[entry.kind]
+        fp = len(entry.slot_ids) * pool.page_bytes + record_overhead_bytes(len(entry.slot_ids))
+        t[0], t[1], t[2] = t[0] - 1, t[1] - entry.payload_len, t[2] - fp
+        return True
+
+    async def contains(self, keys: Sequence[RecordKey]) -> list[bool]:
+        inner = await self.inner.contains(keys)
+        return [k in self._index or hit for k, hit in zip(keys, inner)]
+
+    def usage(self) -> TierUsage:
+        base = self.inner.usage()
+        by_kind = dict(base.by_kind)
+        for k, (n, payload, fp) in self._tally.items():
+            if n:
+                by_kind[k] = KindUsage(n, payload, fp - payload)
+        pinned = sum(p.pool_bytes for p in self.pinned_pools.values())
+        return TierUsage(self.name, base.budget_bytes + pinned, by_kind)
+
+    def footprint(self, record: Record) -> int:
+        pool = self._pool_of(record.header.kind)
+        if pool is None:
+            return self.inner.footprint(record)
+        pages = _pages(len(record.payload), pool.page_bytes)
+        return pages * pool.page_bytes + record_overhead_bytes(pages)
+
+    async def scan(self) -> ScanResult:
+        inner = await self.inner.scan()
+        return ScanResult(inner.headers + [decode_header(e.header)[0] for e in self._index.values()], inner.discarded)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -101,3 +101,29 @@ def test_plan_slots_splits_by_share() -> None:
     assert min(slots.values()) // 512 == 857  # 128K-token sessions: the byte bound is 857.2
     with pytest.raises(ValueError, match="positive budget"):
         plan_slots(0, {GLOBAL: 1}, {GLOBAL: 1.0})
+
+
+def test_pinned_host_tier_and_load_from_without_staging() -> None:
+    """Pinned kinds live in slot pools (others in the inner HostTier); load_from copies slot runs."""
+    from tiers.hbm import PinnedHostTier
+    from tiers.host import HostTier
+
+    host = PinnedHostTier(HostTier(1 << 20), {GLOBAL: 100, INDEX: 40}, {GLOBAL: 8, INDEX: 8}, pin=False)
+    recs = [_record(GLOBAL, 100, i + 1, i) for i in range(5)] + [_record(INDEX, 40, 9, 10), _record(7, 33, 4, 11)]
+    for r in recs:
+        assert asyncio.run(host.put(r))
+    assert host.pinned_entry(recs[0].key).slot_ids == (0,) and host.pinned_entry(recs[6].key) is None
+    for r in recs:
+        assert asyncio.run(host.get(r.key)).payload == r.payload
+    u = host.usage()
+    assert u.by_kind[GLOBAL].resident_bytes == 5 * (100 + record_overhead_bytes(1))
+    assert u.by_kind[7].num_records == 1  # kept by the inner HostTier
+    assert host.footprint(recs[0]) == 100 + record_overhead_bytes(1)
+    tier = _tier(slots=6)
+    events = tier.load_from(host, [r.key for r in recs])
+    assert events[6] is None and all(e is not None for e in events[:6])
+    assert [tier.slot_ids(r.key) for r in recs[:5]] == [(i,) for i in range(5)]
+    for r in recs[:6]:
+        assert asyncio.run(tier.get(r.key)).payload == r.payload  # checksum carried over from the host
+    assert tier.usage().by_kind[GLOBAL].resident_bytes == 5 * (100 + record_overhead_bytes(1))
+    assert asyncio.run(host.delete(recs[0].key)) and asyncio.run(host.get(recs[0].key)) is None
