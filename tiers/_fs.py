@@ -1,20 +1,41 @@
 """Blocking file-system primitives of the SSD tier; every function here runs in a worker thread.
 
 The SSD tier (`tiers/ssd.py`) keeps the bookkeeping on the event loop and hands each whole
-disk operation (encode + write + fdatasync + rename + directory fsync, or open + read +
-verify) to one `asyncio.to_thread` call, so an operation costs one thread hop and the loop
-never waits on the disk. Nothing here knows about the index or the budget.
+disk operation (encode + write + fdatasync + directory fsync, or open + read + verify) to
+one call on its own thread pool, so an operation costs one thread hop and the loop never
+waits on the disk. Nothing here knows about the index or the budget. Paths are `str` or
+`Path`; the tier passes `str` (building `Path` objects costs more than some syscalls here).
 
-Durable write protocol (`write_durable`), POSIX-correct and what the tier acknowledges on::
+Two durable write protocols; the tier acknowledges a put only after one has returned.
 
-    1. open  <dir>/<name>.<tag>.tmp   O_CREAT|O_EXCL (O_DIRECT for large records, see below)
-    2. write all bytes                (short writes are continued, never ignored)
-    3. fdatasync(tmp)                 the bytes and the file size are on the device
+New key (`write_new`), one journal commit for the data plus the directory fsync::
+
+    1. open  <dir>/<name>         O_CREAT|O_EXCL (O_DIRECT for large records, see below)
+    2. write all bytes            (short writes are continued, never ignored)
+    3. fdatasync(file)            the bytes and the file size are on the device
+    4. fsync(dir)                 the new name is on the device
+
+A crash before 4 returns can leave a torn file under the record's final name. It was
+never acknowledged, and it never replaced anything (O_EXCL: the name did not exist), so
+no acknowledged record is lost; its checksums fail, and the scan or the first `get`
+quarantines it: it is never served. If the name exists (a file the index does not know,
+e.g. one the scan could not read), `write_new` writes nothing and the tier falls back to:
+
+Replacing a key (`write_durable`), so an acknowledged older version is never torn::
+
+    1. open  <dir>/<name>.<tag>.tmp   O_CREAT|O_EXCL (O_DIRECT as above)
+    2. write all bytes
+    3. fdatasync(tmp)
     4. rename(tmp, final)             atomic: readers see the old record or the new one
     5. fsync(dir)                     the new name is on the device
 
 A crash before 5 leaves either the old record or a `.tmp` leftover that the start-up scan
 removes; it never leaves a half-written file under a record's name.
+
+Why step 4 of `write_new` stays although ext4 commits the new directory entry in the same
+journal transaction as the file's fdatasync: POSIX (and fsync(2) on Linux) only promise
+the name after an fsync of the directory, and other file systems (ext4 without a journal,
+ext2, vfat) do not give more. bench/tiers.py measures what it costs (`vs_no_dirsync`).
 """
 
 from __future__ import annotations
@@ -77,26 +98,28 @@ def _write_all(fd: int, chunks: Sequence[Chunk]) -> None:
 
 
 class _AlignedBuffers(threading.local):
-    """One page-aligned scratch buffer per worker thread for O_DIRECT writes (grown on need)."""
+    """One page-aligned scratch buffer per worker thread, for O_DIRECT writes and for every
+    read (grown on need, in MiB steps). The SSD tier's worker threads live as long as the
+    tier, so each buffer is mapped and faulted in once, not per operation."""
 
     buf: mmap.mmap | None = None
 
     def get(self, nbytes: int) -> mmap.mmap:
         if self.buf is None or len(self.buf) < nbytes:
-            if self.buf is not None:
-                self.buf.close()
-            self.buf = mmap.mmap(-1, round_up(nbytes, 1 << 20))  # anonymous: page-aligned
+            # The old map is dropped, not closed: a view of it may still be alive; it is
+            # unmapped when the last one goes.
+            self.buf = mmap.mmap(-1, round_up(max(nbytes, 1), 1 << 20))  # anonymous: page-aligned
         return self.buf
 
 
 _aligned = _AlignedBuffers()
 
 
-def _write_direct(tmp: Path, chunks: Sequence[Chunk], total: int) -> int:
-    """O_DIRECT write of `chunks` padded to ALIGN, then truncated to `total`. Returns the fd.
+def _write_direct(fd: int, chunks: Sequence[Chunk], total: int) -> None:
+    """O_DIRECT write of `chunks` padded to ALIGN, then truncated to `total`.
 
-    Skips the page-cache copy and leaves the cache to the host tier. Raises OSError(EINVAL)
-    where the file system refuses O_DIRECT (tmpfs, some overlay set-ups).
+    Skips the page-cache copy and leaves the cache to the host tier. The chunks are copied
+    once, into this thread's aligned buffer (O_DIRECT needs aligned memory).
     """
     padded = round_up(total, ALIGN)
     buf = _aligned.get(padded)
@@ -104,26 +127,42 @@ def _write_direct(tmp: Path, chunks: Sequence[Chunk], total: int) -> int:
     for chunk in chunks:
         buf[offset: offset + len(chunk)] = chunk
         offset += len(chunk)
-    buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
-    try:
-        view, done = memoryview(buf), 0
-        while done < padded:
-            done += os.write(fd, view[done:padded])
-        if padded != total:
-            os.ftruncate(fd, total)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    if padded != total:
+        buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
+    view, done = memoryview(buf), 0
+    while done < padded:
+        done += os.write(fd, view[done:padded])
+    if padded != total:
+        os.ftruncate(fd, total)
 
 
-def write_durable(tmp: Path, final: Path, chunks: Sequence[Chunk], *, direct: bool) -> None:
-    """Steps 1-5 of the module docstring. On any error the temp file is removed and the
-    error re-raised: the caller sees either a durable record or nothing at all."""
+def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool) -> bool:
+    """Steps 1-4 of the new-key protocol (module docstring). False, with nothing written,
+    if `final` already exists. On any other error the file is removed and the error
+    re-raised: the caller sees either a durable record or nothing at all."""
     total = sum(len(c) for c in chunks)
     try:
-        fd = _open_and_write(tmp, chunks, total, direct)
+        fd = _create_and_write(final, chunks, total, direct)
+    except FileExistsError:
+        return False
+    try:
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(final))
+    except BaseException:
+        remove_quietly(final)
+        raise
+    return True
+
+
+def write_durable(tmp: str | Path, final: str | Path, chunks: Sequence[Chunk], *, direct: bool) -> None:
+    """Steps 1-5 of the replace protocol (module docstring). On any error the temp file is
+    removed and the error re-raised: the caller sees either a durable record or nothing."""
+    total = sum(len(c) for c in chunks)
+    fd = _create_and_write(tmp, chunks, total, direct)
+    try:
         try:
             os.fdatasync(fd)
         finally:
@@ -132,22 +171,32 @@ def write_durable(tmp: Path, final: Path, chunks: Sequence[Chunk], *, direct: bo
     except BaseException:
         remove_quietly(tmp)
         raise
-    fsync_dir(final.parent)
+    fsync_dir(os.path.dirname(final))
 
 
-def _open_and_write(tmp: Path, chunks: Sequence[Chunk], total: int, direct: bool) -> int:
+def _create_and_write(path: str | Path, chunks: Sequence[Chunk], total: int, direct: bool) -> int:
+    """Create `path` (O_EXCL) and write `chunks`; returns the open fd. FileExistsError comes
+    only from the create, with nothing touched; after any later error the file this call
+    created is removed before the error propagates."""
     if direct:
         try:
-            return _write_direct(tmp, chunks, total)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            remove_quietly(tmp)  # no O_DIRECT here: fall through to buffered I/O
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            direct = False  # no O_DIRECT on this file system (tmpfs, some overlays): buffered I/O
+    if not direct:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        _write_all(fd, chunks)
-    except BaseException:
+        if direct:
+            _write_direct(fd, chunks, total)
+        else:
+            _write_all(fd, chunks)
+    except BaseException as exc:
         os.close(fd)
+        remove_quietly(path)
+        if direct and isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+            return _create_and_write(path, chunks, total, False)  # O_DIRECT refused at write
         raise
     return fd
 
@@ -159,58 +208,8 @@ def remove_quietly(path: Path) -> None:
         pass
 
 
-@dataclass(frozen=True, slots=True)
-class FileRead:
-    """A whole file as read by one `read_whole`, with the inode it came from.
-
-    `data` may be a view of this thread's aligned scratch buffer (O_DIRECT reads): the
-    caller must copy what it keeps before the thread reads again.
-    """
-
-    data: bytes | memoryview
-    inode: int
-
-
-def read_whole(path: Path, *, direct: bool) -> FileRead:
-    """Read a whole file with one read of its full size; a short read raises, never pads.
-
-    `direct`: O_DIRECT into the thread's aligned buffer (one device I/O of the whole file,
-    no page-cache copy, no readahead windows); else one buffered os.read. The inode lets
-    the caller quarantine exactly the file it read, not a newer one renamed over it.
-    """
-    fd = _open_for_read(path, direct)
-    try:
-        st = os.fstat(fd)
-        if direct:
-            buf = _aligned.get(st.st_size + ALIGN)
-            view = memoryview(buf)[: round_up(st.st_size, ALIGN)]
-            got = _read_into(fd, view)
-            data: bytes | memoryview = view[:got]
-        else:
-            data = os.read(fd, st.st_size) if st.st_size else b""
-            if len(data) < st.st_size:  # one read returns at most ~2 GiB on Linux
-                data += os.read(fd, st.st_size - len(data))
-            got = len(data)
-    finally:
-        os.close(fd)
-    if got != st.st_size:
-        raise RecordError(f"short read: {got} of {st.st_size} bytes")
-    return FileRead(data, st.st_ino)
-
-
-def _read_into(fd: int, view: memoryview) -> int:
-    """Fill `view` from fd; stops early only at EOF. O_DIRECT-safe: it only continues from
-    an aligned offset (a short read at an unaligned offset is the end of the file)."""
-    got = 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
-        got += n
-        if n == 0 or got % ALIGN:
-            break
-    return got
-
-
-def _open_for_read(path: Path, direct: bool) -> int:
+def open_for_read(path: str | Path, *, direct: bool) -> int:
+    """O_DIRECT where asked and the file system allows it, else buffered."""
     if direct:
         try:
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -218,6 +217,27 @@ def _open_for_read(path: Path, direct: bool) -> int:
             if exc.errno != errno.EINVAL:
                 raise
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def read_upto(fd: int, max_bytes: int) -> memoryview:
+    """Read up to `max_bytes` from the start of `fd` into this thread's aligned scratch
+    buffer; fewer only at end of file. Returns a view of the buffer: the caller must copy
+    what it keeps before this thread reads again.
+
+    One preadv of the whole request (rounded up to ALIGN, so it serves O_DIRECT and
+    buffered fds alike, into memory that is already mapped: no allocation, no page-fault
+    per read); continued only from aligned offsets, as O_DIRECT requires. Callers ask for
+    one byte more than they expect, so a file that grew shows as too long, not as whole.
+    """
+    buf = _aligned.get(round_up(max_bytes, ALIGN))
+    view = memoryview(buf)[: round_up(max_bytes, ALIGN)]
+    got = 0
+    while got < max_bytes:
+        n = os.preadv(fd, [view[got:]], got)
+        got += n
+        if n == 0 or got % ALIGN:
+            break
+    return view[: min(got, max_bytes)]
 
 
 def read_header(path: Path | str, *, dir_fd: int | None = None) -> tuple[RecordHeader, int]:

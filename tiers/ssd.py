@@ -8,12 +8,21 @@ not from its leading kind code, which would put everything under `00/01`)::
       .lock                        flock: one SSDTier per directory at a time
       quarantine/                  torn/corrupt/foreign files, moved aside with their name
       ab/cd/<68 hex>.rec           record key = 2-byte kind + 32-byte block key ab cd ...
-      ab/cd/<68 hex>.rec.<tag>.tmp a put in flight; a leftover after a crash, removed at scan
+      ab/cd/<68 hex>.rec.<tag>.tmp a put replacing a record; a leftover after a crash, removed at scan
 
-Durability: `put` returns True only after the five steps of `tiers._fs.write_durable`
-(temp file, fdatasync, rename, directory fsync), so an acknowledged put survives `kill -9`
-and power loss. The index (key -> header, file size) lives in memory; `scan()` rebuilds it
-from the record headers (headers only; payload checksums are verified lazily by `get`).
+Durability: `put` returns True only after the file's fdatasync and the directory's fsync
+(`tiers._fs`): a key the index does not hold is written in place under its final name
+(`write_new`: one journal commit fewer than a rename), a key it holds goes through a temp
+file and a rename (`write_durable`), so an acknowledged version is never torn. An
+acknowledged put survives `kill -9` and power loss. A crash in the middle of a new key's
+write can leave a torn file under its name, never acknowledged: the scan (size or header
+check) or the first `get` (payload checksum) quarantines it, and it is never served. The
+index (key -> header, file size) lives in memory; `scan()` rebuilds it from the record
+headers (headers only; payload checksums are verified lazily by `get`).
+
+Every disk operation is one call on the tier's own thread pool (`max_concurrency` threads,
+long-lived, so their aligned I/O buffers are mapped once): encode + write + syncs for a put,
+open + read + verify for a get.
 
 The tier never evicts. With a budget, `put` refuses (False) a record that would not fit,
 writing nothing; the store decides what to delete to make room.
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import fcntl
 import itertools
 import logging
@@ -31,9 +41,10 @@ import os
 import secrets
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiofiles.os
 
@@ -58,6 +69,8 @@ if TYPE_CHECKING:
     from tiers.registry import TierConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RECORD_SUFFIX = ".rec"
 TEMP_SUFFIX = ".tmp"
@@ -84,6 +97,10 @@ class SSDLayout:
     def path(self, key: bytes) -> Path:
         top, sub = self.fanout(key)
         return self.root / top / sub / (key.hex() + RECORD_SUFFIX)
+
+    def path_str(self, key: bytes) -> str:
+        """`path(key)` as a str, built without Path objects (on every get and put)."""
+        return f"{self.root}/{key[2]:02x}/{key[3]:02x}/{key.hex()}{RECORD_SUFFIX}"
 
     @property
     def quarantine_dir(self) -> Path:
@@ -206,24 +223,32 @@ class _ReadResult:
     error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
-def _read_records(jobs: Sequence[tuple[Path, RecordKey, bool]]) -> list[_ReadResult]:
+def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool]]) -> list[_ReadResult]:
     """Worker thread: read and fully verify each file (one read each); never raises per file."""
-    return [_read_record(path, key, direct) for path, key, direct in jobs]
+    return [_read_record(path, key, file_bytes, direct) for path, key, file_bytes, direct in jobs]
 
 
-def _read_record(path: Path, key: RecordKey, direct: bool) -> _ReadResult:
+def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool) -> _ReadResult:
+    """One open, one read of the indexed size (+1 byte: a grown file shows as too long),
+    verify on the thread's buffer, one copy of the payload out. The inode is looked up only
+    for a bad file, so that the caller quarantines exactly the file it read."""
     try:
-        read = _fs.read_whole(path, direct=direct)
+        fd = _fs.open_for_read(path, direct=direct)
     except FileNotFoundError:
         return _ReadResult(None, missing=True)
-    except RecordError as exc:  # the file shrank under the read
-        return _ReadResult(None, problem=str(exc))
     except OSError as exc:
         return _ReadResult(None, error=exc)
     try:
-        return _ReadResult(decode_record(read.data, expect_key=key), read.inode)
-    except RecordError as exc:
-        return _ReadResult(None, read.inode, str(exc))
+        try:
+            data = _fs.read_upto(fd, file_bytes + 1)
+        except OSError as exc:
+            return _ReadResult(None, error=exc)
+        try:
+            return _ReadResult(decode_record(data, expect_key=key))
+        except RecordError as exc:
+            return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
+    finally:
+        os.close(fd)
 
 
 @dataclass(slots=True)
@@ -322,7 +347,8 @@ class SSDTier(Tier):
             O_DIRECT (None: never). The SSD tier sits below the host RAM tier, so the page
             cache would only hold a second copy; one device I/O per record also beats
             buffered readahead windows on cold reads (bench/tiers.py).
-        max_concurrency: puts/gets in flight in `put_many`/`get_many`.
+        max_concurrency: puts/gets in flight in `put_many`/`get_many`, and the number of
+            threads of the tier's own pool that runs every disk operation.
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
     directory and scans it.
@@ -353,6 +379,7 @@ class SSDTier(Tier):
         self._gate = _ScanGate()
         self._locks = _KeyLocks()
         self._lock_fd: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self.last_scan: ScanResult | None = None
 
     # ----- life cycle -------------------------------------------------------------------
@@ -372,10 +399,16 @@ class SSDTier(Tier):
 
     async def open(self) -> ScanResult:
         """Lock the directory and rebuild the index from it. Returns what the scan found."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier")
         if self._lock_fd is None:
-            self._lock_fd = await asyncio.to_thread(self._prepare_root)
+            self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
         return self.last_scan
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """One thread hop on the tier's pool (no context copy, unlike asyncio.to_thread)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _prepare_root(self) -> int:
         """Worker thread: create the root, take its lock, create the first fan-out level."""
@@ -409,6 +442,9 @@ class SSDTier(Tier):
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; closing an fd does not block
             self._lock_fd = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)  # operations still queued finish on their own
+            self._executor = None
 
     def _check_open(self) -> None:
         if self._lock_fd is None:
@@ -476,14 +512,15 @@ class SSDTier(Tier):
         key = record.key
         async with self._gate.mutation(), self._locks.hold(key):
             level = self._zstd_kinds.get(record.header.kind)
-            encoded = None if level is None else await asyncio.to_thread(encode_record, record, zstd_level=level)
+            encoded = None if level is None else await self._run(
+                functools.partial(encode_record, record, zstd_level=level))
             file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
             need = self._footprint_of(file_bytes)
             if not self._try_reserve(need, self._index.get(key)):
                 logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
                 return False
             try:
-                header = await asyncio.to_thread(self._write_record, record, encoded, self._next_tmp(key))
+                header = await self._run(self._write_record, record, encoded, key not in self._index)
             except OSError as exc:
                 self._log_write_failure(key, exc)
                 return False
@@ -492,12 +529,12 @@ class SSDTier(Tier):
             self._index_add(key, _Entry(header, file_bytes))
             return True
 
-    def _next_tmp(self, key: RecordKey) -> Path:
-        final = self._layout.path(key)
-        return final.with_name(f"{final.name}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}")
+    def _next_tmp(self, final: str) -> str:
+        return f"{final}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}"
 
-    def _write_record(self, record: Record, encoded: bytes | None, tmp: Path) -> RecordHeader:
-        """Worker thread: checksum, write durably, return the header as stored."""
+    def _write_record(self, record: Record, encoded: bytes | None, new_key: bool) -> RecordHeader:
+        """Worker thread: checksum, write durably (in place for a new key, else through a
+        temp file and a rename), return the header as stored."""
         if encoded is None:
             payload = record.payload
             head = encode_header(record.header, stored_length=len(payload), flags=0,
@@ -505,13 +542,16 @@ class SSDTier(Tier):
             chunks: tuple[bytes, ...] = (head, payload)
         else:
             head, chunks = encoded[:HEADER_SIZE], (encoded,)
-        top, sub = SSDLayout.fanout(record.key)
+        key = record.key
+        top, sub = SSDLayout.fanout(key)
         if sub not in self._known_dirs[top]:
             _fs.make_dir_durable(self._layout.root / top / sub)
             self._known_dirs[top].add(sub)
         total = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
         direct = self._direct_io_min_bytes is not None and total >= self._direct_io_min_bytes
-        _fs.write_durable(tmp, self._layout.path(record.key), chunks, direct=direct)
+        final = self._layout.path_str(key)
+        if not (new_key and _fs.write_new(final, chunks, direct=direct)):
+            _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct)
         stored, _ = decode_header(head)
         return stored
 
@@ -523,32 +563,33 @@ class SSDTier(Tier):
 
     async def get(self, key: RecordKey) -> Record | None:
         self._check_open()
-        if key not in self._index:
+        entry = self._index.get(key)
+        if entry is None:
             return None
-        path = self._layout.path(key)
-        (result,) = await asyncio.to_thread(_read_records, [(path, key, self._read_direct(key))])
+        path = self._layout.path_str(key)
+        result = await self._run(_read_record, path, key, entry.file_bytes, self._read_direct(entry))
         return await self._finish_get(key, path, result)
 
-    def _read_direct(self, key: RecordKey) -> bool:
-        entry = self._index.get(key)
+    def _read_direct(self, entry: _Entry) -> bool:
         limit = self._direct_io_min_bytes
-        return entry is not None and limit is not None and entry.file_bytes >= limit
+        return limit is not None and entry.file_bytes >= limit
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """Reads split over `max_concurrency` worker threads, one thread hop per share."""
         self._check_open()
-        jobs = [(i, self._layout.path(k), k) for i, k in enumerate(keys) if k in self._index]
+        index = self._index
+        jobs = [(i, self._layout.path_str(k), k, index[k]) for i, k in enumerate(keys) if k in index]
         out: list[Record | None] = [None] * len(keys)
         shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
         results = await asyncio.gather(*(
-            asyncio.to_thread(_read_records, [(p, k, self._read_direct(k)) for _, p, k in share])
+            self._run(_read_records, [(p, k, e.file_bytes, self._read_direct(e)) for _, p, k, e in share])
             for share in shares))
         for share, share_results in zip(shares, results):
-            for (i, path, key), result in zip(share, share_results):
-                out[i] = await self._finish_get(key, path, result)
+            for (i, path, key, _), result in zip(share, share_results):
+                out[i] = result.record if result.record is not None else await self._finish_get(key, path, result)
         return out
 
-    async def _finish_get(self, key: RecordKey, path: Path, result: _ReadResult) -> Record | None:
+    async def _finish_get(self, key: RecordKey, path: str, result: _ReadResult) -> Record | None:
         if result.record is not None:
             return result.record
         if result.missing:
@@ -565,11 +606,12 @@ class SSDTier(Tier):
                 logger.warning("ssd record %s vanished from the disk; dropped from the index", key.hex())
                 self._index_remove(key)
 
-    async def _quarantine_bad(self, key: RecordKey, path: Path, result: _ReadResult) -> None:
+    async def _quarantine_bad(self, key: RecordKey, path: str, result: _ReadResult) -> None:
         """Move the corrupt file aside, unless a newer put already replaced it."""
         async with self._gate.mutation(), self._locks.hold(key):
             inode = None if result.inode < 0 else result.inode
-            moved = await asyncio.to_thread(_fs.quarantine, path, self._layout.quarantine_dir, inode=inode)
+            moved = await self._run(functools.partial(_fs.quarantine, Path(path), self._layout.quarantine_dir,
+                                                      inode=inode))
             if moved:
                 self._index_remove(key)
                 logger.warning("ssd record %s is corrupt (%s): quarantined, reported as a miss",
@@ -611,9 +653,9 @@ class SSDTier(Tier):
         self._check_open()
         async with self._gate.exclusive():
             root = self._layout.root
-            tops, discarded = await asyncio.to_thread(_list_root, root)
+            tops, discarded = await self._run(_list_root, root)
             chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
-            scans = await asyncio.gather(*(asyncio.to_thread(_scan_top_dirs, self._layout, c) for c in chunks))
+            scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
             self._index, self._tally, self._resident_bytes = {}, {}, 0
             headers = []
             for part in scans:

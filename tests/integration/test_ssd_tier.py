@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tiers.record import HEADER_SIZE, Record, RecordHeader, make_record
+from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, make_record
 from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
@@ -238,7 +238,35 @@ async def test_write_failure_leaves_no_half_file(tier: SSDTier, caplog: pytest.L
     root = tier._layout.root
     assert files_under(root) == [str(record_path(root, small).relative_to(root))]
     assert tier.usage() == usage and await tier.contains([big.key]) == [False]
+    # Replacing an acknowledged record goes through a temp file: a failed overwrite
+    # leaves the old version whole and served.
+    bigger_small = make_record(1, 1, bytes(8 << 20), model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
+                               block_key=small.header.block_key)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, old_limit[1]))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        assert await tier.put(bigger_small) is False
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert files_under(root) == [str(record_path(root, small).relative_to(root))]
+    assert_same(await tier.get(small.key), small)
     assert await tier.put(big) is True  # and the tier still works afterwards
+
+
+async def test_new_key_over_an_unindexed_file_replaces_it_atomically(tier: SSDTier) -> None:
+    """A new key is written in place with O_EXCL; if a file the index does not know already
+    holds its name, the put falls back to temp file + rename and replaces it whole."""
+    record = rec(1, 300_000)
+    stray = record_path(tier._layout.root, record)
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"not a record")
+    assert await tier.contains([record.key]) == [False]
+    assert await tier.put(record) is True
+    root = tier._layout.root
+    assert files_under(root) == [str(stray.relative_to(root))]
+    assert stray.stat().st_size == HEADER_SIZE + 300_000
+    assert_same(await tier.get(record.key), record)
 
 
 @pytest.mark.parametrize("direct_io_min_bytes", [0, None], ids=["o_direct", "buffered"])
@@ -300,38 +328,62 @@ async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
         await SSDTier(tmp_path / "ssd").put(rec(1))
 
 
-def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> bool:
-    """SIGSTOP the child; keep it stopped only if a put is in flight (a temp file exists).
+def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> list[str]:
+    """SIGSTOP the child; keep it stopped only if a put is caught half-done on disk.
 
-    A stopped thread issues no further system call, so what is on disk then is what a
-    SIGKILL at that instant leaves behind: the kill provably lands mid-write.
+    The child counts as stopped once every thread is in the stopped state (T), none still
+    inside a system call (D): a stopped thread issues no further system call, so what is
+    on disk then is exactly what a SIGKILL at that instant leaves behind. Returns the torn
+    files seen then (`_torn_files`), or [] if no attempt caught one.
     """
     for _ in range(attempts):
         os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 5
         while not _all_threads_stopped(pid) and time.monotonic() < deadline:
             time.sleep(0.001)
-        if any(root.rglob("*.tmp")):
-            return True
+        if _all_threads_stopped(pid) and (torn := _torn_files(root)):
+            return torn
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.002)
-    return False
+    return []
 
 
 def _all_threads_stopped(pid: int) -> bool:
-    """Every thread stopped (T) or inside a system call that ends in the stop (D)."""
+    """Every thread stopped (T/t), none still finishing a system call (D)."""
     states = []
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:
             states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return bool(states) and all(s in "tTD" for s in states)
+    return bool(states) and all(s in "tT" for s in states)
+
+
+def _torn_files(root: Path) -> list[str]:
+    """Temp files, and record files that do not hold a whole valid record, relative to root."""
+    torn = []
+    for path in root.rglob("*"):
+        if path.parent.name == "quarantine" or not path.is_file():
+            continue
+        if path.name.endswith(".tmp"):
+            torn.append(str(path.relative_to(root)))
+        elif path.name.endswith(".rec"):
+            try:
+                decode_record(path.read_bytes())
+            except RecordError:
+                torn.append(str(path.relative_to(root)))
+    return sorted(torn)
 
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(60)
 def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    """A SIGKILL that lands while puts are half-done on disk: every acknowledged record is
+    served bit-exactly after a restart, and nothing torn is ever indexed or served.
+
+    Every key the child writes is new, so its puts write in place under the final name
+    (`tiers._fs.write_new`): the torn files are `.rec` files, which the scan quarantines
+    (a temp file, from a put replacing a key, would be removed instead)."""
     sys.path.insert(0, str(CHILD.parent))
     from ssd_writer_child import child_block_key, child_record
 
@@ -345,26 +397,30 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
             line = proc.stdout.readline()
             assert line, f"child exited early with {proc.wait()} after {acked}"
             acked.append(int(line))
-        in_flight = _stop_while_writing(proc.pid, root)
+        torn_at_stop = _stop_while_writing(proc.pid, root)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         acked += [int(x) for x in proc.stdout.read().split()]  # acks already in the pipe
     finally:
         proc.kill()
         proc.wait()
-    assert in_flight, "never caught the child with a put in flight"
+    assert torn_at_stop, "never caught the child with a put half-done on disk"
     assert len(acked) < num_records, "the child finished before the kill"
-    temps_on_disk = sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
-    assert temps_on_disk
+    torn = _torn_files(root)
+    assert torn == torn_at_stop  # the stopped child changed nothing more before it died
+    assert all(t.endswith(".rec") for t in torn)  # new keys are written in place
 
     async def check() -> None:
         tier = await SSDTier.create(root)
         try:
             scan = tier.last_scan
             assert scan is not None
-            assert sorted(scan.discarded) == [
-                f"{t}: leftover temp file of an unacknowledged put (removed)" for t in temps_on_disk]
-            assert not list(root.rglob("*.tmp"))
+            # Exactly the torn files are discarded: temp files removed, torn records quarantined.
+            assert sorted(line.split(": ", 1)[0] for line in scan.discarded) == torn
+            for line in scan.discarded:
+                assert line.endswith(" (removed)" if line.split(": ", 1)[0].endswith(".tmp") else " (quarantined)")
+            assert _torn_files(root) == []
+            assert len(list((root / "quarantine").iterdir())) == sum(t.endswith(".rec") for t in torn)
             for i in acked:
                 assert_same(await tier.get(child_record(i).key), child_record(i), same_time=False)
             index_of = {child_block_key(i): i for i in range(num_records)}
