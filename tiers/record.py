@@ -231,9 +231,21 @@ def decode_header(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
     if raw_len > MAX_PAYLOAD_BYTES:
         raise RecordError(f"raw payload length {raw_len} out of bounds")
     header = _new(RecordHeader)
-    for set_field, value in zip(_HEADER_SETTERS, (kind, codec, fp, tenant, key, parent, t0, t1, entries,
-                                                  raw_len, created, stored_len, flags)):
-        set_field(header, value)
+    (set_kind, set_codec, set_fp, set_tenant, set_key, set_parent, set_t0, set_t1, set_entries,
+     set_raw_len, set_created, set_stored_len, set_flags) = _HEADER_SETTERS
+    set_kind(header, kind)
+    set_codec(header, codec)
+    set_fp(header, fp)
+    set_tenant(header, tenant)
+    set_key(header, key)
+    set_parent(header, parent)
+    set_t0(header, t0)
+    set_t1(header, t1)
+    set_entries(header, entries)
+    set_raw_len(header, raw_len)
+    set_created(header, created)
+    set_stored_len(header, stored_len)
+    set_flags(header, flags)
     return header, checksum
 
 
