@@ -156,6 +156,47 @@ async def test_budget_refuses_what_does_not_fit(redis_url: str, prefix: str, raw
         await probe.aclose()
 
 
+async def test_put_sends_header_and_payload_as_one_value(tier: RedisTier, raw: Redis, redis_url: str,
+                                                         prefix: str) -> None:
+    """Puts pack their SETs by hand (the value as two buffers): the stored value is byte for
+    byte the encoded record, with and without a TTL, alone and in a batch."""
+    records = [rec(i, size) for i, size in enumerate([0, 1, 5999, 6001, 300_000])]
+    assert await tier.put(records[0]) is True
+    assert await tier.put_many(records[1:]) == [True] * 4
+    for r in records:
+        assert await raw.get(tier.redis_key(r.key)) == encode_record(r)
+    expiring = RedisTier(redis_url, prefix=prefix, ttl_s=100)
+    try:
+        batch = [rec(7, 70_000), rec(8, 10)]
+        assert await expiring.put_many(batch) == [True, True]
+        for r in batch:
+            assert await raw.get(expiring.redis_key(r.key)) == encode_record(r)
+            assert 0 < await raw.ttl(expiring.redis_key(r.key)) <= 100
+    finally:
+        await expiring.aclose()
+
+
+async def test_a_refused_set_is_false_and_the_connection_recovers(
+        redis_process_factory: Callable[..., RedisProcess], caplog: pytest.LogCaptureFixture) -> None:
+    """An error reply in the middle of a batch (OOM on a full Redis) fails the batch cleanly:
+    the connection, whose later replies were never read, is dropped, not reused."""
+    server = redis_process_factory("--maxmemory", str(4 << 20), "--maxmemory-policy", "noeviction")
+    tier = RedisTier(server.url, prefix="oom", max_connections=1)
+    try:
+        big = [rec(i, 1 << 20) for i in range(8)]
+        with caplog.at_level(logging.WARNING, logger="tiers.redis"):
+            assert await tier.put_many(big) == [False] * 8
+        assert "redis put refused: command not allowed when used memory > 'maxmemory'" in caplog.text
+        assert tier.healthy is True  # an answer, not an outage
+        async with Redis.from_url(server.url) as client:
+            await client.flushdb()
+        small = rec(100, 1000)
+        assert await tier.put(small) is True  # the single pooled connection works again
+        assert_same(await tier.get(small.key), small)
+    finally:
+        await tier.aclose()
+
+
 @pytest.mark.parametrize("how", ["stop", "kill"])
 async def test_outage_degrades_to_misses_and_recovers(redis_process_factory: Callable[..., RedisProcess],
                                                       how: str) -> None:
