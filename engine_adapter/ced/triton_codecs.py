@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
     tl = None
 
-__all__ = ["available", "quantize_fp4_e4m3", "quantize_fp4_e8m0", "dequantize_fp4", "gather_dequantize_fp4"]
+__all__ = ["available", "set_config", "restore_config", "quantize_fp4_e4m3", "quantize_fp4_e8m0", "dequantize_fp4", "gather_dequantize_fp4"]
 
 _TARGET_ELEMS = 8192  # values per program: 16 rows of 512 or 64 rows of 128
 
@@ -195,12 +195,122 @@ if triton is not None:
         _dequant_rows(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, E4M3)
 
 
+    @triton.jit
+    def _max_nan(a, b):
+        """max that propagates NaN, as torch's amax does."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _e2m1_codes_v2(t):
+        """`_e2m1_codes` with 3 roundings instead of 7 threshold tests: on the grid in quarters
+        (0, 2, 4, 6 | 8, 12 | 16, 24) the index is rint(a/2) below 8, 4 + rint((a-8)/4) below 16,
+        6 + rint((a-16)/8) above (rint = nearest-even, which resolves every tie as the table does:
+        a = 1, 5 -> down to even; 3, 7 -> up to even; 10 -> 4, 14 -> 6, 20 -> 6)."""
+        a = tl.minimum(tl.abs(t), 24.0)
+        # (y + 2**23) - 2**23 rounds y in [0, 2**22) to an integer, ties to even (float32 adds)
+        lo = (a * 0.5 + 8388608.0) - 8388608.0
+        mid = 4.0 + ((tl.maximum(a - 8.0, 0.0) * 0.25 + 8388608.0) - 8388608.0)
+        hi = 6.0 + ((tl.maximum(a - 16.0, 0.0) * 0.125 + 8388608.0) - 8388608.0)
+        mag = tl.where(a < 8.0, lo, tl.where(a < 16.0, mid, hi)).to(tl.int32)
+        mag = tl.where(t == t, mag, 0)  # NaN -> 0 (tl.minimum above may have turned NaN into 24)
+        return mag | ((t < 0.0).to(tl.int32) << 3)
+
+    @triton.jit
+    def _quantize_v2_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """2-D tiles: one contiguous [ROWS, D] load, NaN-propagating block max, cheaper encode."""
+        NB: tl.constexpr = D // BS
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, D)
+        mask = r[:, None] < n_rows
+        x = tl.load(x_ptr + r[:, None].to(tl.int64) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, [ROWS, NB, BS])
+        amax = tl.reduce(tl.abs(xb), 2, _max_nan)  # [ROWS, NB]; NaN if the block holds one
+        if E4M3:
+            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+            v = tl.where(amax != amax, amax, v)
+            byte, scale = _e4m3_round(v)
+        else:
+            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
+            vb = v.to(tl.int32, bitcast=True)
+            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
+            scale = _e8m0_decode(byte)
+        codes = _e2m1_codes_v2(tl.math.div_rn(xb, (scale * 0.25)[:, :, None]))
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        hcols = tl.arange(0, D // 2)
+        tl.store(codes_ptr + r[:, None].to(tl.int64) * (D // 2) + hcols[None, :], packed, mask=mask)
+        tl.store(scales_ptr + r[:, None].to(tl.int64) * NB + tl.arange(0, NB)[None, :], byte.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, src_rows, dst_rows, valid,
+                         D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """2-D output tiles [ROWS, D], stored contiguously; each output element reads its byte."""
+        NB: tl.constexpr = D // BS
+        cols = tl.arange(0, D)
+        m2 = valid[:, None]
+        byte = tl.load(codes_ptr + src_rows[:, None] * (D // 2) + (cols // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        code = (byte >> ((cols & 1) * 4)[None, :]) & 15
+        sb = tl.load(scales_ptr + src_rows[:, None] * NB + tl.arange(0, NB)[None, :], mask=m2, other=0).to(tl.int32)
+        if E4M3:
+            scale = _e4m3_decode(sb)
+        else:
+            scale = _e8m0_decode(sb)
+        vals = tl.reshape(tl.reshape(_e2m1_values(code), [ROWS, NB, BS]) * scale[:, :, None], [ROWS, D])
+        tl.store(out_ptr + dst_rows[:, None] * D + cols[None, :], vals.to(out_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _dequantize_v2_kernel(codes_ptr, scales_ptr, out_ptr, n_rows,
+                              D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = r.to(tl.int64)
+        _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, ROWS, E4M3)
+
+    @triton.jit
+    def _gather_dequantize_v2_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out,
+                                     D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        valid = r < n_out
+        src = tl.maximum(tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64), 0)
+        _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Wrappers: same signatures and results as the codecs.py functions of the same names.
 
 
-def _rows_per_program(dim: int) -> int:
-    return max(1, _TARGET_ELEMS // dim)
+# Kernel variant and launch shape per op: "v1" (4-D tiles) or "v2" (2-D tiles, cheaper encode),
+# values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); all
+# variants give the same bits (tests/gpu runs both).
+_OPS = ("quantize", "dequantize", "gather_dequantize")
+_CONFIG = {op: {"variant": "v1", "elems": _TARGET_ELEMS, "num_warps": 4} for op in _OPS}
+
+
+def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,
+               op: str | None = None) -> dict:
+    """Choose the kernel variant and launch shape of one op (default: every op); returns the old config."""
+    old = {k: dict(v) for k, v in _CONFIG.items()}
+    if variant is not None and variant not in ("v1", "v2"):
+        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
+    for name in _OPS if op is None else (op,):
+        cfg = _CONFIG[name]
+        for key, value in (("variant", variant), ("elems", elems), ("num_warps", num_warps)):
+            if value is not None:
+                cfg[key] = value
+    return old
+
+
+def restore_config(saved: dict) -> None:
+    for name, cfg in saved.items():
+        _CONFIG[name].update(cfg)
+
+
+def _launch(op: str, dim: int):
+    """(kernel, rows per program, warps) for `op` at row width `dim`."""
+    cfg = _CONFIG[op]
+    kernel = globals()[f"_{op}_v2_kernel" if cfg["variant"] == "v2" else f"_{op}_kernel"]
+    return kernel, max(1, cfg["elems"] // dim), cfg["num_warps"]
 
 
 def _check(x: torch.Tensor, block: int, fn: str) -> None:
@@ -221,9 +331,8 @@ def _quantize(x: torch.Tensor, block: int, e4m3: bool, fn: str) -> PackedFP4:
     codes = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n, d // block, dtype=torch.uint8, device=x.device)
     if n:
-        rows = _rows_per_program(d)
-        _quantize_kernel[(triton.cdiv(n, rows),)](flat, codes, scales, n, D=d, BS=block, ROWS=rows, E4M3=e4m3,
-                                                   num_warps=4)
+        kernel, rows, warps = _launch("quantize", d)
+        kernel[(triton.cdiv(n, rows),)](flat, codes, scales, n, D=d, BS=block, ROWS=rows, E4M3=e4m3, num_warps=warps)
     lead = x.shape[:-1]
     return PackedFP4(codes=codes.view(*lead, d // 2), scales=scales.view(*lead, d // block), block=block,
                      scale_format="e4m3" if e4m3 else "e8m0")
@@ -256,9 +365,9 @@ def dequantize_fp4(p: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Te
     n = codes.shape[0]
     out = torch.empty(n, d, dtype=dtype, device=codes.device)
     if n:
-        rows = _rows_per_program(d)
-        _dequantize_kernel[(triton.cdiv(n, rows),)](codes, scales, out, n, D=d, BS=p.block, ROWS=rows,
-                                                     E4M3=p.scale_format == "e4m3", num_warps=4)
+        kernel, rows, warps = _launch("dequantize", d)
+        kernel[(triton.cdiv(n, rows),)](codes, scales, out, n, D=d, BS=p.block, ROWS=rows,
+                                        E4M3=p.scale_format == "e4m3", num_warps=warps)
     return out.view(*p.codes.shape[:-1], d)
 
 
@@ -277,8 +386,7 @@ def gather_dequantize_fp4(p: PackedFP4, index: torch.Tensor, dtype: torch.dtype 
     n = idx.shape[0]
     out = torch.empty(n, d, dtype=dtype, device=p.codes.device)
     if n:
-        rows = _rows_per_program(d)
-        _gather_dequantize_kernel[(triton.cdiv(n, rows),)](idx, p.codes.contiguous(), p.scales.contiguous(), out, n,
-                                                            D=d, BS=p.block, ROWS=rows,
-                                                            E4M3=p.scale_format == "e4m3", num_warps=4)
+        kernel, rows, warps = _launch("gather_dequantize", d)
+        kernel[(triton.cdiv(n, rows),)](idx, p.codes.contiguous(), p.scales.contiguous(), out, n, D=d, BS=p.block,
+                                        ROWS=rows, E4M3=p.scale_format == "e4m3", num_warps=warps)
     return out.view(*index.shape, d)

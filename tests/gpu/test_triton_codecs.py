@@ -23,6 +23,14 @@ pytestmark = [
 ROWS = 4096 if DEVICE == "cuda" else 48
 
 
+@pytest.fixture(autouse=True, params=["v1", "v2"])
+def variant(request: pytest.FixtureRequest):
+    """Every test runs against both kernel variants (they must give the same bits)."""
+    saved = tc.set_config(request.param)
+    yield request.param
+    tc.restore_config(saved)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits (so -0.0 != 0.0), except that any NaN equals any NaN: the NaN payload a
     multiply returns differs between CPUs and GPUs, and no reader can tell NaNs apart."""
