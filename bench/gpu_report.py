@@ -684,6 +684,13 @@ async def main_async(args: argparse.Namespace) -> None:
         await run_length(engine, adapter, n, 2 if n >= 131072 else 3, work, ceil, rows, floors, profile,
                          do_profile=n == lengths[-1], floor_here=n == lengths[-1])
         print(f"T={n}: {time.perf_counter() - t1:.1f} s", flush=True)
+        if args.out:  # a crash later still leaves these figures behind
+            import json
+
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "partial.json").write_text(json.dumps({"rows": rows, "profile": profile,
+                                                                     "floors": {k: f.to_json() for k, f in floors.items()}},
+                                                                    default=str, indent=1))
     page_sizes = make_page_sizes(adapter.state_specs(), BLOCK)
     del engine, adapter
     gc.collect()
