@@ -17,9 +17,11 @@ TOML layout (every key optional)::
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
     [engine]   preset = "tiny"   seed = 0
     [sessions] block_size = 256   durability = "local"   default_mode = "bounded"   keep_rings_ttl_s = 0
+    [quotas]   max_bytes = 0   max_sessions = 0                       # every tenant's default; 0 = unbounded
+    [tenants.alice]  max_bytes = 1073741824   max_sessions = 64       # one tenant's quotas (statestore/quotas.py)
 
 Environment: `STATESTORE_<SECTION>_<KEY>` (e.g. `STATESTORE_SERVER_LISTEN`,
-`STATESTORE_ENGINE_PRESET`), plus the short forms `STATESTORE_LISTEN`, `STATESTORE_DATA_DIR`
+`STATESTORE_ENGINE_PRESET`, `STATESTORE_QUOTAS_MAX_BYTES`), plus the short forms `STATESTORE_LISTEN`, `STATESTORE_DATA_DIR`
 and `STATESTORE_TOKENS` ("alice=tok1,bob=tok2").
 """
 
@@ -37,10 +39,25 @@ ENGINE_PRESETS = ("mini", "tiny")
 DURABILITIES = ("memory", "local", "shared")
 REPLAY_MODES = ("exact", "bounded", "off")
 DEFAULT_PORT = 7450
+QUOTA_NAMES = ("max_bytes", "max_sessions")
 
 
 class ConfigError(ValueError):
     """A setting is missing, mistyped or out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """What one tenant may keep on a node (0 = unbounded); enforced by statestore/quotas.py."""
+
+    max_bytes: int = 0  # record bytes (header + raw payload), each record counted once
+    max_sessions: int = 0  # live and checkpointed sessions together
+
+    def __post_init__(self) -> None:
+        for name in QUOTA_NAMES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 (0 = unbounded), got {value!r}")
 
 
 def default_data_dir() -> Path:
@@ -74,6 +91,9 @@ class ServiceConfig:
     durability: str = "local"  # checkpoint default
     default_mode: str = "bounded"
     keep_rings_ttl_s: float = 0.0
+    quota_max_bytes: int = 0  # [quotas]: every tenant's default record bytes; 0 = unbounded
+    quota_max_sessions: int = 0  # [quotas]: every tenant's default sessions; 0 = unbounded
+    tenant_quotas: Mapping[str, TenantQuota] = field(default_factory=dict)  # [tenants.<name>] overrides
 
     def __post_init__(self) -> None:
         host, port = split_listen(self.listen)
@@ -103,6 +123,13 @@ class ServiceConfig:
         _check(self.default_mode in REPLAY_MODES, "sessions.default_mode",
                f"{self.default_mode!r} is not one of {', '.join(REPLAY_MODES)}")
         _check(self.keep_rings_ttl_s >= 0, "sessions.keep_rings_ttl_s", f"{self.keep_rings_ttl_s} < 0")
+        _check(self.quota_max_bytes >= 0, "quotas.max_bytes", f"{self.quota_max_bytes} < 0")
+        _check(self.quota_max_sessions >= 0, "quotas.max_sessions", f"{self.quota_max_sessions} < 0")
+        tenants = set(self.tokens) or {"default"}
+        for tenant, quota in self.tenant_quotas.items():
+            _check(isinstance(quota, TenantQuota), f"tenants.{tenant}", f"{quota!r} is not a TenantQuota")
+            _check(tenant in tenants, f"tenants.{tenant}",
+                   f"no such tenant in auth.tokens (known: {', '.join(sorted(tenants))})")
         _check(bool(self.tokens) or is_loopback(host), "server.listen",
                f"{self.listen} is not a loopback address and no auth.tokens are configured: "
                f"configure tenant tokens to serve beyond this machine")
@@ -168,6 +195,8 @@ _KEYS: dict[tuple[str, str], str] = {
     ("sessions", "durability"): "durability",
     ("sessions", "default_mode"): "default_mode",
     ("sessions", "keep_rings_ttl_s"): "keep_rings_ttl_s",
+    ("quotas", "max_bytes"): "quota_max_bytes",
+    ("quotas", "max_sessions"): "quota_max_sessions",
 }
 _SHORT_ENV = {"STATESTORE_LISTEN": "listen", "STATESTORE_DATA_DIR": "data_dir", "STATESTORE_TOKENS": "tokens"}
 _TYPES = {f.name: f.type for f in fields(ServiceConfig)}
@@ -235,6 +264,9 @@ def _from_toml(path: Path) -> dict[str, Any]:
     for section, table in doc.items():
         if not isinstance(table, dict):
             raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
+        if section == "tenants":
+            values["tenant_quotas"] = _tenant_quotas(table, f"{path} [tenants]")
+            continue
         for key, value in table.items():
             name = _KEYS.get((section, key))
             if name is None:
@@ -242,3 +274,20 @@ def _from_toml(path: Path) -> dict[str, Any]:
                 raise ConfigError(f"config file {path}: unknown setting {section}.{key}; known: {known}")
             values[name] = _coerce(name, value, f"{path} [{section}] {key}")
     return values
+
+
+def _tenant_quotas(table: Mapping[str, Any], source: str) -> dict[str, TenantQuota]:
+    """`[tenants.<name>]` tables -> TenantQuota per tenant; ConfigError naming the setting."""
+    out = {}
+    for tenant, quotas in table.items():
+        if not isinstance(quotas, dict):
+            raise ConfigError(f"config tenants.{tenant} from {source}: expected a [tenants.{tenant}] table")
+        unknown = set(quotas) - set(QUOTA_NAMES)
+        if unknown:
+            raise ConfigError(f"config tenants.{tenant} from {source}: unknown setting(s) "
+                              f"{', '.join(sorted(unknown))}; known: {', '.join(QUOTA_NAMES)}")
+        try:
+            out[tenant] = TenantQuota(**quotas)
+        except ConfigError as exc:
+            raise ConfigError(f"config tenants.{tenant} from {source}: {exc}") from None
+    return out

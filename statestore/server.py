@@ -10,7 +10,7 @@ token, validates nothing itself but maps what the layers below raise::
     ModelMismatch, _Precondition,
     CheckpointIncomplete,
     DurabilityUnavailable (tier absent)    FAILED_PRECONDITION
-    BudgetExceeded                         RESOURCE_EXHAUSTED (the message gives the budget)
+    BudgetExceeded, QuotaExceeded          RESOURCE_EXHAUSTED (the message gives the budget or quota)
     AuthError, _Denied                     PERMISSION_DENIED
     DurabilityUnavailable (tier down)      UNAVAILABLE        (the service itself cannot serve it)
     anything else                          INTERNAL, logged with the traceback; the server keeps serving
@@ -48,6 +48,7 @@ from statestore.auth import AuthError, TokenAuth
 from statestore.config import ServiceConfig
 from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.metrics import ServiceMetrics, kind_name
+from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, StateMeta, TierName
@@ -95,7 +96,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         ((_NotFound, ss.SessionNotFound), grpc.StatusCode.NOT_FOUND),
         (ss.SessionExists, grpc.StatusCode.ALREADY_EXISTS),
         ((ss.ModelMismatch, ss.CheckpointIncomplete, _Precondition), grpc.StatusCode.FAILED_PRECONDITION),
-        (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ((BudgetExceeded, QuotaExceeded), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # RecordError and _BadField included
     ]
     if isinstance(exc, DurabilityUnavailable):
@@ -105,6 +106,29 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         if isinstance(exc, types):
             return code, str(exc)
     return None
+
+
+class _Undecodable:
+    """A request whose bytes do not parse as its message type. The deserializer returns it
+    instead of raising (grpc would answer UNKNOWN); the handler answers INVALID_ARGUMENT."""
+
+    __slots__ = ("type_name", "error")
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name, self.error = type_name, error
+
+    def check(self) -> None:
+        raise _BadField(f"the request is not a valid {self.type_name} message ({self.error})")
+
+
+def _lenient_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(message_class.DESCRIPTOR.full_name, str(exc))
+
+    return deserialize
 
 
 class _Calls:
@@ -133,7 +157,10 @@ def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(fn)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
-            result = await fn(self, request, context, self._calls.tenant(context))
+            tenant = self._calls.tenant(context)
+            if isinstance(request, _Undecodable):
+                request.check()
+            result = await fn(self, request, context, tenant)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the service boundary: map, never crash
@@ -152,7 +179,10 @@ def _streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterat
     @functools.wraps(fn)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
         try:
-            async for item in fn(self, request, context, self._calls.tenant(context)):
+            tenant = self._calls.tenant(context)
+            if isinstance(request, _Undecodable):
+                request.check()
+            async for item in fn(self, request, context, tenant):
                 yield item
         except asyncio.CancelledError:
             raise
@@ -398,6 +428,12 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             assembler.feed_frame(frame)
         parts = assembler.records()
         verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
+        async with owner.quotas.admit_bytes(self._store, tenant, [record for record, _ in verified]):
+            return await self._put_verified(verified, parts)
+
+    async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart]],
+                            parts: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]) -> Any:
+        owner = self._owner
         results = []
         for i, (record, start) in enumerate(verified):
             durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
@@ -557,7 +593,12 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
 
     @_unary
     async def Create(self, request: Any, context: Any, tenant: str) -> Any:
-        return _session_info(await self._sessions.create(tenant, request.session_id))
+        self._sessions.check_session_id(request.session_id)
+        async with self._owner.quotas.admit_session(tenant, lambda: self._count_sessions(tenant)):
+            return _session_info(await self._sessions.create(tenant, request.session_id))
+
+    async def _count_sessions(self, tenant: str) -> int:
+        return len(await self._sessions.list(tenant))
 
     @_unary
     async def Append(self, request: Any, context: Any, tenant: str) -> Any:
@@ -659,10 +700,15 @@ def add_statestore_servicer(servicer: StateStoreServicer, server: grpc.aio.Serve
     """The generated `add_StateStoreServicer_to_server`, except on the record data path:
     PutRecords gets its messages as bytes (data chunks are read without a protobuf copy) and
     GetRecords may yield serialized frames. The wire format is unchanged."""
-    service = statestore_pb2.DESCRIPTOR.services_by_name["StateStore"]
+    _add_servicer(servicer, server, statestore_pb2.DESCRIPTOR.services_by_name["StateStore"])
+
+
+def _add_servicer(servicer: Any, server: grpc.aio.Server, service: Any) -> None:
+    """Register `servicer`'s methods of `service` (a descriptor) as the generated code does, with
+    requests that fail to parse passed to the handler as `_Undecodable` (INVALID_ARGUMENT)."""
     handlers = {}
     for method in service.methods:
-        deserialize = None if method.name == "PutRecords" else GetMessageClass(method.input_type).FromString
+        deserialize = None if method.name == "PutRecords" else _lenient_deserializer(GetMessageClass(method.input_type))
         serialize = serialize_chunk if method.name == "GetRecords" else \
             GetMessageClass(method.output_type).SerializeToString
         kind = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
@@ -722,6 +768,7 @@ class StateStoreServer:
         self.adapter: Any = None
         self.metrics = ServiceMetrics(lambda: self.store.stats())
         self.calls = _Calls(TokenAuth(config.tokens), self.metrics)
+        self.quotas = TenantQuotas.from_config(config)
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -758,7 +805,7 @@ class StateStoreServer:
         self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
         self.models.add(self.adapter.model_fingerprint)
         self.store = await self._open_store()
-        self.sessions = ss.SessionManager(self.store, self.adapter, ss.SessionConfig(
+        self.sessions = ss.SessionManager(self.quotas.guard(self.store), self.adapter, ss.SessionConfig(
             secret=secret, block_size=c.block_size, durability=Durability[c.durability.upper()],
             default_mode=c.default_mode, keep_rings_ttl_s=c.keep_rings_ttl_s or None))
         server = self._build_grpc_server()
@@ -785,7 +832,7 @@ class StateStoreServer:
                                           ("grpc.max_send_message_length", c.max_message_bytes),
                                           ("grpc.so_reuseport", 0)])
         add_statestore_servicer(StateStoreServicer(self), server)
-        sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(self), server)
+        _add_servicer(SessionsServicer(self), server, sessions_pb2.DESCRIPTOR.services_by_name["Sessions"])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         return server
