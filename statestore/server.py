@@ -51,7 +51,7 @@ from statestore.metrics import ServiceMetrics, kind_name
 from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
-from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, StateMeta, TierName
+from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
 from tiers.record import (
     HEADER_SIZE,
     RECORD_KEY_BYTES,
@@ -70,6 +70,7 @@ MAX_APPEND_TOKENS = 1 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
 _OFFLOAD_BYTES = 16 << 20  # verify records this large off the event loop (smaller: ~1 ms)
 _CHUNK_HEADROOM = 4096  # message framing beside a data chunk
+_MAX_DETAILS = 2048  # error messages echo client input; clients refuse metadata over 16 KiB by default
 T = TypeVar("T")
 
 
@@ -147,7 +148,16 @@ class _Calls:
             logger.error("%s failed unexpectedly", method, exc_info=exc)
             mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}; see the server log")
         self.metrics.calls.labels(method, mapped[0].name).inc()
-        await context.abort(mapped[0], mapped[1])
+        await context.abort(mapped[0], _clip(mapped[1]))
+
+
+def _clip(message: str) -> str:
+    """An error message short enough for the status trailer: a message that echoes a 100 KB
+    session id would exceed the client's metadata limit, which then reports its own
+    RESOURCE_EXHAUSTED and drops the connection instead of showing the real status."""
+    if len(message) <= _MAX_DETAILS:
+        return message
+    return f"{message[:_MAX_DETAILS]}... ({len(message) - _MAX_DETAILS} more characters)"
 
 
 def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -770,6 +780,7 @@ class StateStoreServer:
         self.calls = _Calls(TokenAuth(config.tokens), self.metrics)
         self.quotas = TenantQuotas.from_config(config)
         self.metrics_port = 0
+        self.open_report = OpenReport({}, {})  # what the start-up scans indexed and discarded
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
@@ -793,7 +804,13 @@ class StateStoreServer:
         retention = {int(s.kind): s.retention for s in specs}
         store = TieredStore(host=host, ssd=ssd, redis=redis, config=StoreConfig(retention_by_kind=retention))
         report = await store.open()
-        for tier, reasons in report.discarded.items():
+        # SSDTier.create scanned the directory already and cleaned up what it discarded, so the
+        # store's re-scan cannot see it: the first scan's discards are what the start found.
+        discarded = {tier: list(reasons) for tier, reasons in report.discarded.items()}
+        first = list(ssd.last_scan.discarded) if ssd.last_scan is not None else []
+        discarded[TierName.SSD] = first + [r for r in discarded.get(TierName.SSD, []) if r not in first]
+        self.open_report = OpenReport(dict(report.indexed), discarded)
+        for tier, reasons in discarded.items():
             for reason in reasons:
                 logger.warning("%s scan discarded %s", tier.value, reason)
         return store
