@@ -58,6 +58,11 @@ class CostPolicyConfig:
     admit_fill: float = 0.9  # above this fill a new copy must beat the tier's shadow price
     ssd_write_weight: float = 1.0  # SSD write seconds count this much against admitting a copy
     shadow_decay: float = 0.05  # EWMA weight of each removed copy's score in the shadow price
+    # Seconds of recency that an e-fold of value per byte buys in the eviction score. Fixed on
+    # purpose: the heap caches scores, and a learned tau that drifts would leave records scored
+    # under an old tau out of order (early records then squat in the cache). What is learned
+    # (P(next), the gap distribution, the tier horizons) enters through the value itself.
+    score_tau_s: float = 60.0
     reuse: ReuseConfig = ReuseConfig()
 
     def __post_init__(self) -> None:
@@ -104,6 +109,9 @@ class CostAwarePolicy(PlacementPolicy):
         self._inflow: dict[TierName, tuple[float, int]] = {}  # tier -> (first put time, bytes put)
         self._shadow: dict[TierName, float] = {}  # tier -> EWMA of removed copies' scores
         self._seen_costs: dict[TierName, TierCost] = {}  # the latest TierCost of each tier
+        # (key, tier) -> (last_access, score, tau) of each scored copy: a memo of this policy's
+        # own outputs, dropped with the copy (on_remove), so it never outgrows the index.
+        self._scores: dict[tuple[RecordKey, TierName], tuple[float, float, float]] = {}
 
     # ----- costs ---------------------------------------------------------------------------
 
@@ -166,10 +174,14 @@ class CostAwarePolicy(PlacementPolicy):
         return TierValue(tier.tier, p, horizon, load, fallback, nbytes, value, density,
                          self._score(meta, density), tier.fill)
 
+    def _tau(self, meta: StateMeta) -> float:
+        """Seconds of recency an e-fold of value per byte buys (fixed: see `score_tau_s`)."""
+        return self.config.score_tau_s
+
     def _score(self, meta: StateMeta, density: float) -> float:
         if meta.pinned:
             return PINNED_SCORE
-        tau = min(self.config.max_horizon_s, max(1.0, self.reuse.mean_gap_s(meta.tenant_id)))
+        tau = self._tau(meta)
         log_ratio = math.log(density / D_REF) if density > 0 else -_LOG_CLAMP
         score = meta.last_access + tau * max(-_LOG_CLAMP, min(_LOG_CLAMP, log_ratio))
         if meta.hints is not None and meta.hints.ttl_s is not None:
@@ -223,7 +235,10 @@ class CostAwarePolicy(PlacementPolicy):
         return True
 
     def eviction_score(self, meta: StateMeta, tier: TierCost) -> float:
-        return self.price(meta, tier).score
+        """The time-invariant score; remembered per copy so `decide_eviction` re-ranks cheaply."""
+        score = self.price(meta, tier).score
+        self._scores[meta.key, tier.tier] = (meta.last_access, score, self._tau(meta))
+        return score
 
     def decide_eviction(self, candidates: Sequence[StateMeta], need_bytes: int, tier: TierCost) -> list[RecordKey]:
         """Lowest value per byte now first (idle time included); ties by score, i.e. LRU.
@@ -233,8 +248,14 @@ class CostAwarePolicy(PlacementPolicy):
         tenants whose values decay at different rates correctly.
         """
         def now_value(m: StateMeta) -> tuple[float, float]:
-            v = self.price(m, tier, idle_s=max(0.0, self._now - m.last_access))
-            return v.density, v.score
+            cached = self._scores.get((m.key, tier.tier))
+            if cached is None or cached[0] != m.last_access:
+                score = self.price(m, tier).score
+                cached = (m.last_access, score, self._tau(m))
+            _, score, tau = cached
+            # score = t + tau ln(d / D_REF) with d decaying as exp(-idle / tau): the log of the
+            # value per byte now, relative to D_REF, is (score - now) / tau.
+            return (score - self._now) / tau, score
 
         return take_until_covered(sorted(candidates, key=now_value), need_bytes, tier.tier)
 
@@ -253,10 +274,10 @@ class CostAwarePolicy(PlacementPolicy):
 
     def on_remove(self, meta: StateMeta, tier: TierName) -> None:
         """The removed copy's score moves the tier's shadow price (what a new copy must beat)."""
-        cost = self._seen_costs.get(tier)
-        if cost is None:
+        cached = self._scores.pop((meta.key, tier), None)
+        if cached is None:
             return
-        score = self.price(meta, cost).score
+        score = cached[1]
         old = self._shadow.get(tier)
         a = self.config.shadow_decay
         self._shadow[tier] = score if old is None else (1 - a) * old + a * score

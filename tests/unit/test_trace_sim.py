@@ -1,0 +1,77 @@
+"""The trace simulator's accounting: virtual tiers, V4.1 byte totals of the trace, a short run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.trace import (
+    GIB,
+    FP8_BYTES_PER_TOKEN,
+    OUR_BYTES_PER_TOKEN,
+    Request,
+    Simulator,
+    budget_for_share,
+    default_trace_path,
+    load_trace,
+    unique_block_bytes,
+)
+from statestore.profile import CostProfile
+from tiers.record import HEADER_SIZE, make_record
+from tiers.virtual import AccountingHostTier, VirtualTier
+
+
+def rec(i: int, size: int):  # type: ignore[no-untyped-def]
+    return make_record(1, 0, bytes(size), model_fingerprint=b"f" * 16, tenant_id=b"t" * 16, block_key=bytes([i]) * 32)
+
+
+async def test_virtual_tier_sizes_without_storing() -> None:
+    t = VirtualTier("ssd", budget_bytes=3 * 8192 + 3 * 128)
+    assert t.footprint(rec(1, 5000)) == 8192 + 128  # header + payload rounded to 4 KiB, plus an index entry
+    assert await t.put(rec(1, 5000)) and await t.put(rec(2, 5000)) and await t.put(rec(3, 5000))
+    assert not await t.put(rec(4, 5000))  # over budget: refused, nothing changed
+    assert t.usage().resident_bytes == 3 * (8192 + 128) and t.usage().num_records == 3
+    got = await t.get(rec(2, 5000).key)
+    assert got is not None and got.payload == bytes(5000)
+    assert await t.delete(rec(2, 5000).key) and t.usage().num_records == 2
+    assert t.bytes_written == 3 * (HEADER_SIZE + 5000) and t.num_puts == 3
+
+
+async def test_accounting_host_tier_uses_the_page_pools_without_memory() -> None:
+    t = AccountingHostTier(1 << 20, {1: 4096}, slab_bytes=4096)
+    assert await t.put(rec(1, 4000))
+    assert t.usage().resident_bytes == t.footprint(rec(1, 4000))
+    got = await t.get(rec(1, 4000).key)
+    assert got is not None and len(got.payload) == 4000
+
+
+def test_budget_for_share_interpolates_in_log_budget() -> None:
+    pts = [(1.0, 0.2), (2.0, 0.4), (4.0, 0.6)]
+    assert budget_for_share(pts, 0.2) == 1.0
+    assert budget_for_share(pts, 0.5) == pytest.approx(2 ** 1.5)
+    assert budget_for_share(pts, 0.7) == float("inf")
+
+
+def test_trace_unique_blocks_take_18_6_gib_ours_and_34_6_gib_fp8() -> None:
+    path = default_trace_path()
+    if not path.exists():
+        pytest.skip(f"trace not at {path}")
+    reqs = load_trace(path)
+    assert unique_block_bytes(reqs, OUR_BYTES_PER_TOKEN) / GIB == pytest.approx(18.6, abs=0.05)
+    assert unique_block_bytes(reqs, FP8_BYTES_PER_TOKEN) / GIB == pytest.approx(34.6, abs=0.05)
+
+
+def test_a_short_run_goes_through_the_store_and_never_beats_physics() -> None:
+    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(1.0, 1100, 1, (1, 2, 4)), Request(2.0, 1500, 1, (1, 2, 3)),
+            Request(3.0, 600, 1, (9, 10))]
+    sim = Simulator(reqs, CostProfile.v41_h200())
+    recompute = sim.recompute(1.0, 0.0)
+    for name in ("lru-ours", "cost", "lru-all"):
+        r = asyncio.run(sim.run(name, 1.0, 0.0))
+        assert r.blocks == 11 and all(t <= full + 1e-12 for t, full in zip(r.ttft_s, recompute.ttft_s))
+        # Request 2 re-reads blocks 1, 2 and request 3 re-reads 1, 2, 3: 5 hits in all.
+        assert sum(r.hits.values()) == 5, name
+    ours = asyncio.run(sim.run("lru-ours", 1.0, 0.0))
+    assert ours.ttft_s[3] == pytest.approx(recompute.ttft_s[3])  # a cold request pays the full prefill
+    assert ours.row()["gpu_s_saved"] > 0
