@@ -336,6 +336,12 @@ async def gpu_resume(engine: CEDEngine, store: TieredStore, host: PinnedHostTier
             "first_token": first, "logits": logits.float(), "state": state}
 
 
+def wait_all(events: Sequence[Any]) -> None:
+    """Wait for each distinct event once (a batch shares one event per staging chunk or kind)."""
+    for e in {id(e): e for e in events if e is not None}.values():
+        e.synchronize()
+
+
 def median_of(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -361,17 +367,28 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     await store.open()
     mgr = SessionManager(store, adapter, SessionConfig(secret=SECRET, block_size=BLOCK))
     sid = f"s{label}"
-    await mgr.create(TENANT, sid)
+    # Engine tiling (query chunk, attention tile) is swept at the floor length: every path
+    # below (re-prefill included) is reported at its fastest measured setting.
+    settings = [(1024, 256), (2048, 512)] if floor_here and on_cuda() else [(engine.query_chunk, engine.attention_tile)]
 
     # 4: the re-prefill baseline, chunked, through the session layer
-    sync()
-    t0 = time.perf_counter()
-    for s in range(0, num_tokens, PREFILL_CHUNK):
-        await mgr.append(TENANT, sid, tokens[s: s + PREFILL_CHUNK])
+    prefill_by: dict[str, float] = {}
+    for j, (qc, tile) in enumerate(settings):
+        engine.query_chunk, engine.attention_tile = qc, tile
+        name = sid if j == 0 else f"{sid}-t{j}"
+        await mgr.create(TENANT, name)
+        sync()
+        t0 = time.perf_counter()
+        for s in range(0, num_tokens, PREFILL_CHUNK):
+            await mgr.append(TENANT, name, tokens[s: s + PREFILL_CHUNK])
+        sync()
+        prefill_by[f"{qc}/{tile}"] = time.perf_counter() - t0
+        if j:
+            await mgr.drop(TENANT, name)
+    prefill_setting = min(prefill_by, key=prefill_by.get)
+    prefill_s = prefill_by[prefill_setting]
     live = mgr.live_state(TENANT, sid)
     first_live = int(torch.argmax(live.last_logits))
-    sync()
-    prefill_s = time.perf_counter() - t0
     flops = prefill_flops(c, num_tokens, PREFILL_CHUNK)
     mfu = flops / prefill_s / (ceil["bf16_matmul_TFLOPs"] * 1e12)
     live_logits = live.last_logits.float()
@@ -398,9 +415,7 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     hbm = HbmTier(page_sizes, {1: nblocks, 2: nblocks}, device=DEV, allow_cpu=not on_cuda())
     pool_bytes = (torch.cuda.memory_allocated() - before) if on_cuda() else hbm.pool_bytes
     records = [await store.get(k) for k in keys]
-    events = hbm.load(records)
-    for e in events:
-        e.synchronize()
+    wait_all(hbm.load(records))
     usage_hbm = hbm.usage()
     acc = usage_hbm.resident_bytes
     payload = sum(u.payload_bytes for u in usage_hbm.by_kind.values())
@@ -420,9 +435,9 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     for _ in range(max(5, repeats)):
         for how, out in (("pinned", load_s), ("staged", stage_s), ("staged+checksums", stage_ck_s)):
             if how == "pinned":
-                t, _ = wall(lambda: [e.synchronize() for e in hbm.load_from(host, keys)])
+                t, _ = wall(lambda: wait_all(hbm.load_from(host, keys)))
             else:
-                t, _ = wall(lambda: [e.synchronize() for e in hbm.load(records, checksums=how != "staged")])
+                t, _ = wall(lambda: wait_all(hbm.load(records, checksums=how != "staged")))
             out.append(t)
             await drop_all(hbm, keys)
     ratio = ref_s / statistics.median(load_s)
@@ -438,8 +453,7 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
     sync()
     t0 = time.perf_counter()
     ssd_records = await ssd.get_many(ssd_keys)
-    for e in hbm.load([r for r in ssd_records if r is not None], checksums=False):
-        e.synchronize()
+    wait_all(hbm.load([r for r in ssd_records if r is not None], checksums=False))
     ssd_s = time.perf_counter() - t0
     await drop_all(hbm, keys)
     plain = work / f"plain-{label}.bin"
@@ -462,21 +476,29 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
 
     # 4: resume from host RAM, bounded and exact, vs the re-prefill
     for mode in ("bounded", "exact"):
-        await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys, index_keys)  # warm-up
-        runs = [await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys, index_keys)
-                for _ in range(repeats)]
+        by_setting: dict[str, list[dict[str, Any]]] = {}
+        for qc, tile in settings:
+            engine.query_chunk, engine.attention_tile = qc, tile
+            await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys, index_keys)  # warm-up
+            by_setting[f"{qc}/{tile}"] = [await gpu_resume(engine, store, host, hbm, tokens, mode, main_keys,
+                                                           index_keys) for _ in range(repeats)]
+        chosen = min(by_setting, key=lambda k: median_of(by_setting[k], "total_s"))
+        runs = by_setting[chosen]
         best = runs[-1]
         dl = (best["logits"] - live_logits).abs().max().item()
         rows.append({"figure": "4 resume", "tokens": num_tokens, "mode": f"hbm load + {mode} replay",
                      "ttft_s": median_of(runs, "total_s"), "index_lookup_s": median_of(runs, "get_s"),
                      "load_import_s": median_of(runs, "load_import_s"), "replay_s": median_of(runs, "replay_s"),
                      "speedup_vs_reprefill": prefill_s / median_of(runs, "total_s"),
-                     "top1_equals_live": best["first_token"] == first_live, "max_abs_dlogit_vs_live": dl})
+                     "top1_equals_live": best["first_token"] == first_live, "max_abs_dlogit_vs_live": dl,
+                     "engine_tiles": chosen,
+                     "ttft_by_tiles": {k: median_of(v, "total_s") for k, v in by_setting.items()}})
         floors_name = {"bounded": ("resume_bounded_speedup", 50.0), "exact": ("resume_exact_speedup", 20.0)}[mode]
         if floor_here:
             floors[f"{floors_name[0]}_{label}"] = Floor(prefill_s / median_of(runs, "total_s"), floors_name[1])
         resumed = best["state"]
-        del runs
+        del runs, by_setting
+    engine.query_chunk, engine.attention_tile = settings[0]
     decode_s = statistics.median(wall(lambda: engine.decode_step([resumed], [first_live]))[0] for _ in range(3))
 
     # 4: FP8 global + stored SWA rings + one decode step (composed from parts measured here)
@@ -500,7 +522,7 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
                  "speedup_vs_reprefill": prefill_s / fp8_s, "note": "composed: load+dequant and decode step timed apart"})
     rows.append({"figure": "4 resume", "tokens": num_tokens, "mode": "full re-prefill (chunked 16K, exact decoder tail)",
                  "ttft_s": prefill_s, "model_TFLOP": flops / 1e12, "MFU_vs_measured_bf16_peak": mfu,
-                 "speedup_vs_reprefill": 1.0})
+                 "speedup_vs_reprefill": 1.0, "engine_tiles": prefill_setting, "ttft_by_tiles": prefill_by})
     del main8, idx8, ring8, host8
 
     if do_profile and on_cuda():
@@ -677,6 +699,12 @@ async def main_async(args: argparse.Namespace) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     print(f"v41 built in {build_s:.1f} s: {weight_bytes / 1e9:.1f} GB of bf16 weights", flush=True)
     lengths = (512,) if args.dry_cpu else (4096,) if args.quick else (4096, 32768, 131072)
+    warm = engine.new_state()  # warm-up: first-call costs (cuBLAS plans, kernel loads) stay out of the baseline
+    warm_tokens = [t % engine.config.vocab_size for t in range(1, 1 + min(4096, lengths[0]))]
+    engine.prefill([warm], [warm_tokens])
+    engine.decode_step([warm], [1])
+    del warm
+    sync()
     profile: dict[str, Any] = {}
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-report-"))
     for n in lengths:
