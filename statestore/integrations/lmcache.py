@@ -1,0 +1,625 @@
+"""statestore as a remote backend of LMCache 0.5.6 (`pip install "statestore[lmcache]"`).
+
+LMCache keeps its RAM tier (LocalCPUBackend) and hands every chunk to this connector, which
+stores it in a statestore server over gRPC as one `StateKind.OPAQUE` record: durable (fsynced
+on the server's SSD tier by default), restart-safe (the server re-indexes its records at
+start, where LMCache's LocalDiskBackend keeps its index in memory only), shared by every
+LMCache process that talks to the same server, and checksummed end to end.
+
+The LMCache config a user writes (YAML; `LMCACHE_CONFIG_FILE=lmcache.yaml`)::
+
+    chunk_size: 256
+    local_cpu: true
+    max_local_cpu_size: 5            # GB; the connector allocates its read buffers here
+    remote_serde: naive
+    remote_storage_plugins: ["statestore"]
+    extra_config:
+      remote_storage_plugin.statestore.module_path: statestore.integrations.lmcache
+      remote_storage_plugin.statestore.class_name: StateStoreConnector
+      remote_storage_plugin.statestore.target: "127.0.0.1:7450"    # the statestore server
+      remote_storage_plugin.statestore.token: "s3cret-tenant-token" # tenant bearer token (optional)
+      remote_storage_plugin.statestore.namespace: "deepseek-v4.1"  # model namespace (optional)
+      remote_storage_plugin.statestore.durability: local           # memory | local | shared
+      remote_storage_plugin.statestore.timeout_s: 5.0              # data calls
+      remote_storage_plugin.statestore.lookup_timeout_s: 0.5       # contains / prefix lookups
+
+Every process that should share chunks must run with the same `PYTHONHASHSEED` (without
+vLLM, LMCache hashes token chunks with Python's `hash`). The plugin name (`statestore`
+above) may be anything; the connector finds its settings under the name whose
+`module_path` is this module. Defaults: target `127.0.0.1:7450`, no token, namespace
+`lmcache`, durability `local`.
+
+How a chunk is stored:
+
+- block key = BLAKE2b-256, keyed by a secret derived from the tenant token, over
+  (namespace, LMCache key string `model@world_size@worker_id@<chunk hash>@dtype`). A tenant
+  without the token can neither compute nor probe another tenant's keys; two namespaces never
+  share a key. Record key = (OPAQUE, block key).
+- model fingerprint = fingerprint of ("lmcache", namespace), registered with the server.
+- payload = `b"LMC1"`, key length, metadata length (u16 each), the LMCache key string (so
+  `list` can return it and a hash collision is detected), LMCache's `RemoteMetadata`
+  (length, shapes, dtypes, format), then the chunk bytes.
+
+Data path: puts slice `memory_obj.byte_array` straight into the gRPC frames (one copy, into
+the frame). Gets stream frames into a buffer allocated from LMCache's LocalCPUBackend
+(`byte_array.cast("B")`, one copy, from the frame), hashing as they land; a record whose
+checksum, key or shape does not match is released and reported as a miss.
+
+Failure model: a statestore that is down, slow or refusing gives misses (`exists` False,
+prefix length 0, `get` None) and dropped puts, never an exception into LMCache. After a
+failure the connector backs off (0.5 s doubling to 10 s) and answers misses at once until
+the next probe succeeds. `put` never calls `ref_count_down` (LMCache's RemoteBackend owns
+the reference). The connector's coroutines run on LMCache's storage event loop, which
+owns the gRPC channel; the synchronous methods (`exists_sync`, `batched_contains`,
+`remove_sync`) submit to that loop and wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import xxhash
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from engine_adapter.base import Codec, StateKind
+from engine_adapter.fingerprint import make_model_fingerprint
+from proto.statestore.v1 import common_pb2, statestore_pb2
+from statestore.client import ClientOptions, ServiceError, StateStoreClient
+from statestore.types import Durability
+from statestore.wire import data_frame, split_data_frame
+from tiers.record import (HEADER_SIZE, KEY_BYTES, TENANT_BYTES, RecordError, RecordHeader, decode_header,
+                          encode_header, make_record_key)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PLUGIN_MAGIC = b"LMC1"
+_PREFIX = struct.Struct("<4sHH")  # magic, key string length, RemoteMetadata length
+_PERSON_KEY = b"ss.lmcache-key1"
+_PERSON_SECRET = b"ss.lmcache-sec1"
+_LAYOUT_VERSION = 1
+_KIND = int(StateKind.OPAQUE)
+_LOOKUP_BATCH = 65536  # the server's key limit per Lookup
+_GET_BATCH = 4096  # the server's key limit per GetRecords
+_GET_METHOD = "/statestore.v1.StateStore/GetRecords"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What `extra_config` says under `remote_storage_plugin.<name>.`; validated here."""
+
+    target: str = "127.0.0.1:7450"
+    token: str | None = None
+    namespace: str = "lmcache"
+    durability: Durability = Durability.LOCAL
+    timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.5
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    frame_bytes: int = 1 << 20  # data bytes per gRPC message (the server's default limit is 4 MiB)
+    max_batch_bytes: int = 64 << 20  # records per PutRecords stream (the server's default is 256 MiB)
+
+    def __post_init__(self) -> None:
+        if ":" not in self.target:
+            raise ValueError(f"statestore connector: target {self.target!r} is not HOST:PORT")
+        if not self.namespace:
+            raise ValueError("statestore connector: namespace must not be empty")
+        if min(self.timeout_s, self.lookup_timeout_s, self.backoff_s) <= 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("statestore connector: timeouts and backoff must be > 0 (max_backoff_s >= backoff_s)")
+        if not 64 << 10 <= self.frame_bytes <= 3 << 20:
+            raise ValueError(f"statestore connector: frame_bytes {self.frame_bytes} outside [64 KiB, 3 MiB]")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, plugin_name: str) -> ConnectorSettings:
+        extra = extra or {}
+        prefix = f"remote_storage_plugin.{plugin_name}."
+        values: dict[str, Any] = {}
+        for name, field_type in (("target", str), ("token", str), ("namespace", str), ("timeout_s", float),
+                                 ("lookup_timeout_s", float), ("backoff_s", float), ("max_backoff_s", float),
+                                 ("frame_bytes", int), ("max_batch_bytes", int)):
+            if prefix + name in extra and extra[prefix + name] is not None:
+                values[name] = field_type(extra[prefix + name])
+        if prefix + "durability" in extra:
+            level = str(extra[prefix + "durability"]).upper()
+            if level not in Durability.__members__:
+                raise ValueError(f"statestore connector: durability {level.lower()!r} is not memory, local or shared")
+            values["durability"] = Durability[level]
+        return cls(**values)
+
+
+def find_plugin_name(remote_storage_plugins: Sequence[str] | None, extra: Mapping[str, Any] | None) -> str:
+    """The plugin name this module is configured under (LMCache does not pass it to the class)."""
+    extra = extra or {}
+    for name in remote_storage_plugins or ():
+        if extra.get(f"remote_storage_plugin.{name}.module_path") == __name__:
+            return name
+    return "statestore"
+
+
+def make_key_secret(token: str | None) -> bytes:
+    """The MAC key of block keys: derived from the tenant token (a fixed public key without one)."""
+    return hashlib.blake2b((token or "").encode("utf-8"), digest_size=32, person=_PERSON_SECRET).digest()
+
+
+def make_lmcache_block_key(key_string: str, namespace: str, key_secret: bytes) -> bytes:
+    """32-byte block key of one LMCache chunk: keyed BLAKE2b over (namespace, key string)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, key=key_secret, person=_PERSON_KEY)
+    ns = namespace.encode("utf-8")
+    h.update(len(ns).to_bytes(4, "little"))
+    h.update(ns)
+    h.update(key_string.encode("utf-8"))
+    return h.digest()
+
+
+def make_namespace_fingerprint(namespace: str) -> bytes:
+    return make_model_fingerprint({"lmcache_namespace": namespace}, {_KIND: int(Codec.RAW)}, _LAYOUT_VERSION,
+                                  f"lmcache:{namespace}")
+
+
+def pack_prefix(key_string: str, metadata: bytes) -> bytes:
+    key = key_string.encode("utf-8")
+    return _PREFIX.pack(PLUGIN_MAGIC, len(key), len(metadata)) + key + metadata
+
+
+def unpack_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, str, bytes] | None:
+    """(prefix length, key string, metadata bytes), or None while `buf` is too short."""
+    if len(buf) < _PREFIX.size:
+        return None
+    magic, key_len, meta_len = _PREFIX.unpack_from(buf)
+    if magic != PLUGIN_MAGIC:
+        raise RecordError(f"payload magic {bytes(magic)!r} is not an LMCache chunk")
+    end = _PREFIX.size + key_len + meta_len
+    if len(buf) < end:
+        return None
+    key = bytes(buf[_PREFIX.size:_PREFIX.size + key_len]).decode("utf-8")
+    return end, key, bytes(buf[_PREFIX.size + key_len:end])
+
+
+class _Incoming:
+    """One record arriving on a GetRecords stream, written into an LMCache buffer as it lands."""
+
+    def __init__(self, connector: StateStoreConnector, key_string: str, total_bytes: int) -> None:
+        self.connector = connector
+        self.key_string = key_string
+        self.total_bytes = total_bytes
+        self.head = bytearray()  # header + prefix until both are complete
+        self.header: RecordHeader | None = None
+        self.checksum = 0
+        self.hasher = xxhash.xxh3_64()
+        self.obj: MemoryObj | None = None
+        self.dest: memoryview | None = None
+        self.offset = 0
+        self.failed: str | None = None
+
+    def feed(self, data: memoryview | bytes) -> None:
+        if self.failed is not None:
+            return
+        try:
+            if self.dest is None:
+                self.head += data
+                data = self._maybe_start()
+                if self.dest is None:
+                    return
+            end = self.offset + len(data)
+            if end > len(self.dest):
+                raise RecordError(f"{end - len(self.dest)} bytes more than the chunk holds")
+            self.dest[self.offset:end] = data
+            self.hasher.update(data)
+            self.offset = end
+        except (RecordError, ValueError, struct.error) as exc:
+            self.fail(str(exc))
+
+    def _maybe_start(self) -> memoryview:
+        if len(self.head) < HEADER_SIZE:
+            return memoryview(b"")
+        if self.header is None:
+            self.header, self.checksum = decode_header(memoryview(self.head)[:HEADER_SIZE])
+            h = self.header
+            if h.flags or h.kind != _KIND or h.model_fingerprint != self.connector.fingerprint:
+                raise RecordError("not an uncompressed LMCache chunk of this namespace")
+        parsed = unpack_prefix(memoryview(self.head)[HEADER_SIZE:])
+        if parsed is None:
+            return memoryview(b"")
+        prefix_len, key_string, meta_bytes = parsed
+        if key_string != self.key_string:
+            raise RecordError(f"record holds key {key_string!r}, asked for {self.key_string!r}")
+        meta = RemoteMetadata.deserialize(meta_bytes)
+        data_len = self.header.raw_length - prefix_len
+        if meta.length != data_len:
+            raise RecordError(f"metadata says {meta.length} bytes, record carries {data_len}")
+        obj = self.connector.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
+        if obj is None:
+            raise RecordError("LMCache's local CPU buffer is full")
+        self.obj = obj
+        dest = memoryview(obj.byte_array).cast("B")
+        if len(dest) != data_len:
+            raise RecordError(f"LMCache allocated {len(dest)} bytes for a {data_len}-byte chunk")
+        self.dest = dest
+        start = HEADER_SIZE + prefix_len
+        self.hasher.update(memoryview(self.head)[HEADER_SIZE:start])
+        rest = memoryview(bytes(self.head[start:]))
+        self.head = bytearray()
+        return rest
+
+    def fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            logger.warning("statestore: chunk %s discarded: %s", self.key_string, why)
+        self.release()
+
+    def release(self) -> None:
+        if self.obj is not None:
+            self.dest = None
+            self.obj.ref_count_down()
+            self.obj = None
+
+    def finish(self) -> MemoryObj | None:
+        if self.failed is None:
+            if self.dest is None or self.offset != len(self.dest):
+                self.fail(f"stream ended after {self.offset} bytes of the chunk")
+            elif self.hasher.intdigest() != self.checksum:
+                self.fail("payload checksum mismatch")
+        if self.failed is not None:
+            return None
+        obj, self.obj, self.dest = self.obj, None, None
+        return obj
+
+
+class StateStoreConnector(RemoteConnector):
+    """LMCache `RemoteConnector` over a statestore server (see the module docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any,
+                 plugin_name: str | None = None) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        extra = getattr(config, "extra_config", None) or {}
+        self.plugin_name = plugin_name or find_plugin_name(getattr(config, "remote_storage_plugins", None), extra)
+        self.settings = ConnectorSettings.from_extra_config(extra, self.plugin_name)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.fingerprint = make_namespace_fingerprint(self.settings.namespace)
+        self._key_secret = make_key_secret(self.settings.token)
+        self._client: StateStoreClient | None = None
+        self._get_stream: Any = None
+        self._registered = False
+        self._down_until = 0.0
+        self._backoff_s = self.settings.backoff_s
+        self.num_failures = 0  # calls that failed (each answered as a miss or a dropped put)
+        logger.info("statestore connector %s: target %s, namespace %s, durability %s", self.plugin_name,
+                    self.settings.target, self.settings.namespace, self.settings.durability.name.lower())
+
+    # ----- keys ----------------------------------------------------------------------------------
+
+    def record_key(self, key: CacheEngineKey) -> bytes:
+        return make_record_key(_KIND, make_lmcache_block_key(key.to_string(), self.settings.namespace,
+                                                             self._key_secret))
+
+    # ----- connection, backoff ---------------------------------------------------------------------
+
+    def _open(self) -> StateStoreClient:
+        """The client, opened on the running (LMCache's) loop: grpc.aio binds a channel to its loop."""
+        if self._client is None:
+            s = self.settings
+            client = StateStoreClient(s.target, s.token, ClientOptions(
+                chunk_bytes=s.frame_bytes, max_message_bytes=s.frame_bytes + (64 << 10), timeout_s=s.timeout_s,
+                extra_options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                               ("grpc.max_reconnect_backoff_ms", 1000)]))
+            client.open()
+            channel = client._channel  # the record data path: raw frames, as the client's own get_records
+            assert channel is not None
+            self._get_stream = channel.unary_stream(
+                _GET_METHOD, request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,
+                response_deserializer=None)
+            self._client = client
+        return self._client
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.num_failures += 1
+        first = self.available()
+        self._down_until = time.monotonic() + self._backoff_s
+        if first:
+            logger.warning("statestore %s at %s failed (%s); answering misses for %.1f s", what,
+                           self.settings.target, _why(exc), self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.settings.max_backoff_s)
+
+    def _ok(self) -> None:
+        self._backoff_s = self.settings.backoff_s
+
+    async def _guarded(self, what: str, call: Awaitable[T], default: T, timeout_s: float | None = None) -> T:
+        """`call`'s result, or `default` (and a backoff) when statestore fails; never raises."""
+        if not self.available():
+            _close_unawaited(call)
+            return default
+        try:
+            result = await (asyncio.wait_for(call, timeout_s) if timeout_s else call)
+        except (ServiceError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, RecordError) as exc:
+            self._failed(what, exc)
+            return default
+        self._ok()
+        return result
+
+    async def _register(self) -> None:
+        if not self._registered:
+            await self._open().register_model(
+                model_name=f"lmcache/{self.settings.namespace}", weights_id=f"lmcache:{self.settings.namespace}",
+                config_json=json.dumps({"lmcache_namespace": self.settings.namespace}),
+                layout_version=_LAYOUT_VERSION, specs=[{"kind": _KIND, "retention": 1, "codec": int(Codec.RAW)}])
+            self._registered = True
+
+    def _run_sync(self, coro: Awaitable[T], default: T, timeout_s: float) -> T:
+        """Run one of our coroutines on LMCache's loop from another thread and wait."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # blocking here would deadlock the loop we wait on
+            _close_unawaited(coro)
+            logger.warning("statestore: synchronous call on LMCache's event loop thread; answering a miss")
+            return default
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout_s + 1.0)
+        except Exception as exc:  # noqa: BLE001 - the LMCache boundary: a miss, never an exception
+            future.cancel()
+            self._failed("synchronous call", exc)
+            return default
+
+    # ----- contains ------------------------------------------------------------------------------
+
+    async def _prefix_hits(self, keys: Sequence[CacheEngineKey]) -> int:
+        """How many keys, from the first, statestore holds (one Lookup per 64K keys)."""
+        hits = 0
+        for start in range(0, len(keys), _LOOKUP_BATCH):
+            batch = [self.record_key(k)[2:] for k in keys[start:start + _LOOKUP_BATCH]]
+            info = await self._guarded("lookup", self._open().lookup(
+                batch, kinds=[_KIND], model_fingerprint=self.fingerprint), None, self.settings.lookup_timeout_s)
+            if info is None:
+                return hits
+            hits += info.combined_blocks
+            if info.combined_blocks < len(batch):
+                break
+        return hits
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._prefix_hits([key]) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._run_sync(self.exists(key), False, self.settings.lookup_timeout_s)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return self._run_sync(self._prefix_hits(keys), 0, self.settings.lookup_timeout_s)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        return await self._prefix_hits(keys)
+
+    # ----- put -----------------------------------------------------------------------------------
+
+    def _record_frames(self, key: CacheEngineKey, obj: MemoryObj) -> Iterator[Any]:
+        """The PutRecords messages of one chunk: a start, then data frames sliced from the buffer."""
+        buf = memoryview(obj.byte_array).cast("B")
+        meta = RemoteMetadata(len(buf), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
+        prefix = pack_prefix(key.to_string(), meta)
+        hasher = xxhash.xxh3_64(prefix)
+        hasher.update(buf)
+        record_key = self.record_key(key)
+        header = RecordHeader(kind=_KIND, codec=int(Codec.RAW), model_fingerprint=self.fingerprint,
+                              tenant_id=bytes(TENANT_BYTES), block_key=record_key[2:],
+                              entry_count=len(buf) // self.single_token_size if self.single_token_size else 0,
+                              raw_length=len(prefix) + len(buf))
+        encoded = encode_header(header, stored_length=header.raw_length, flags=0, checksum=hasher.intdigest())
+        step = self.settings.frame_bytes
+        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
+            key=record_key, total_bytes=HEADER_SIZE + header.raw_length, durability=int(self.settings.durability)))
+        first = max(0, step - HEADER_SIZE - len(prefix))
+        yield data_frame(encoded, prefix, buf[:first])
+        for offset in range(first, len(buf), step):
+            yield data_frame(buf[offset:offset + step])
+
+    async def _put_batch(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        async def frames() -> AsyncIterator[Any]:
+            for key, obj in zip(keys, objs):
+                for frame in self._record_frames(key, obj):
+                    yield frame
+
+        client = self._open()
+        await self._register()
+        try:
+            await client.put_raw(frames())
+        except ServiceError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._registered = False  # the server restarted and forgot the namespace: register, retry once
+            await self._register()
+            await client.put_raw(frames())
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
+        """Store chunks, several per PutRecords stream; a failure drops them (logged), never raises."""
+        start, size = 0, 0
+        for i, obj in enumerate(memory_objs):
+            size += obj.get_size()
+            if size >= self.settings.max_batch_bytes or i == len(memory_objs) - 1:
+                await self._guarded("put", self._put_batch(keys[start:i + 1], memory_objs[start:i + 1]), None)
+                start, size = i + 1, 0
+
+    # ----- get -----------------------------------------------------------------------------------
+
+    async def _fetch(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        for start in range(0, len(keys), _GET_BATCH):
+            batch = keys[start:start + _GET_BATCH]
+            got = await self._guarded("get", self._fetch_batch(batch), None)
+            if got is None:
+                out += [None] * (len(keys) - len(out))
+                break
+            out += got
+        return out
+
+    async def _fetch_batch(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        client = self._open()
+        record_keys = [self.record_key(k) for k in keys]
+        call = self._get_stream(statestore_pb2.GetRecordsRequest(keys=record_keys, chunk_bytes=self.settings.frame_bytes),
+                                metadata=client._metadata, timeout=self.settings.timeout_s)
+        out: list[MemoryObj | None] = []
+        current: _Incoming | None = None
+        try:
+            async for frame in call:
+                data = split_data_frame(frame)
+                if data is not None:
+                    if current is not None:
+                        current.feed(data)
+                    continue
+                chunk = common_pb2.RecordChunk.FromString(frame)
+                if chunk.WhichOneof("part") == "data":
+                    if current is not None:
+                        current.feed(chunk.data)
+                    continue
+                if current is not None:
+                    out.append(current.finish())
+                    current = None
+                if len(out) >= len(keys):
+                    raise RecordError("the server sent more records than asked for")
+                if chunk.start.found:
+                    if bytes(chunk.start.key) != record_keys[len(out)]:
+                        raise RecordError("the server answered another key")
+                    current = _Incoming(self, keys[len(out)].to_string(), chunk.start.total_bytes)
+                else:
+                    out.append(None)
+            if current is not None:
+                out.append(current.finish())
+                current = None
+        except BaseException:
+            if current is not None:
+                current.release()
+            for obj in out:
+                if obj is not None:
+                    obj.ref_count_down()
+            raise
+        if len(out) != len(keys):
+            for obj in out:
+                if obj is not None:
+                    obj.ref_count_down()
+            raise RecordError(f"the server answered {len(out)} of {len(keys)} keys")
+        return out
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self._fetch([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return await self._fetch(keys)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The hit prefix; everything after the first miss is released."""
+        prefix: list[MemoryObj] = []
+        missed = False
+        for obj in await self._fetch(keys):
+            missed = missed or obj is None
+            if obj is not None and missed:
+                obj.ref_count_down()
+            elif obj is not None:
+                prefix.append(obj)
+        return prefix
+
+    # ----- list, remove, ping, close -------------------------------------------------------------
+
+    async def _key_string(self, record_key: bytes) -> str | None:
+        """The LMCache key inside one record: reads its first frame only, then cancels the stream."""
+        call = self._get_stream(statestore_pb2.GetRecordsRequest(keys=[record_key], chunk_bytes=4096),
+                                metadata=self._open()._metadata, timeout=self.settings.timeout_s)
+        head = bytearray()
+        try:
+            async for frame in call:
+                data = split_data_frame(frame)
+                if data is None:
+                    chunk = common_pb2.RecordChunk.FromString(frame)
+                    if chunk.WhichOneof("part") == "start":
+                        if not chunk.start.found:
+                            return None
+                        continue
+                    data = memoryview(chunk.data)
+                head += data
+                if len(head) >= HEADER_SIZE:
+                    parsed = unpack_prefix(memoryview(head)[HEADER_SIZE:])
+                    if parsed is not None:
+                        return parsed[1]
+            return None
+        finally:
+            call.cancel()
+
+    async def _list(self) -> list[str]:
+        infos, _ = await self._open().list_records(kind=_KIND, limit=100_000)
+        mine = [i.key for i in infos if i.model_fingerprint == self.fingerprint]
+        names = await asyncio.gather(*(self._key_string(k) for k in mine))
+        return [n for n in names if n is not None]
+
+    async def list(self) -> list[str]:
+        """The LMCache keys of this namespace that statestore holds (reads each record's first frame)."""
+        return await self._guarded("list", self._list(), [])
+
+    async def _remove(self, key: CacheEngineKey) -> bool:
+        evicted = await self._open().evict([self.record_key(key)], force=True)
+        return any(evicted.values())
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return self._run_sync(self._guarded("remove", self._remove(key), False), False, self.settings.timeout_s)
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when statestore answers SERVING, else 1."""
+        status = await self._guarded("ping", self._open().health(), "", self.settings.lookup_timeout_s)
+        return 0 if status == "SERVING" else 1
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    def __repr__(self) -> str:
+        return f"<StateStoreConnector {self.settings.target} namespace={self.settings.namespace}>"
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, ServiceError):
+        return f"{exc.code.name}: {exc.message}"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _close_unawaited(call: Awaitable[Any]) -> None:
+    close = getattr(call, "close", None)
+    if close is not None:
+        close()
