@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 MANIFEST_KIND = 0x100
 """Record kind code of session manifests (beyond the model's `StateKind`s)."""
 MANIFEST_FORMAT = 1
-SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 REPLAY_MODES = ("exact", "bounded", "off")
 _PERSON_SESSION = b"ss.session.v1"
 _PERSON_OBJECT = b"ss.sess-obj.v1"
@@ -270,7 +270,7 @@ class SessionManager:
 
     @staticmethod
     def check_session_id(session_id: str) -> None:
-        if not isinstance(session_id, str) or not SESSION_ID_PATTERN.match(session_id):
+        if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
             raise ValueError(f"session_id {session_id!r} is invalid: use 1..128 characters of letters, digits "
                              f"and . _ : @ -, starting with a letter or digit")
 
