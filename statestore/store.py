@@ -107,8 +107,18 @@ class StoreConfig:
 
 class _Placed(enum.Enum):
     STORED = "stored"
-    NO_ROOM = "no room"
+    NO_ROOM = "no room"  # the budget arithmetic: protected data fills it
+    REFUSED = "refused"  # a tier without a byte budget refused the write: its medium is full or failing
     UNAVAILABLE = "unavailable"
+
+
+# Why a tier with no byte budget refuses a write while healthy (the tier logs the exact error).
+_REFUSAL = {
+    TierName.SSD: "the file system under the ssd tier refused the write (no space left on device, or an I/O "
+                  "error: see the server log)",
+    TierName.REDIS: "Redis refused the write (out of memory? see the server log)",
+    TierName.HOST: "the host tier refused the write",
+}
 
 
 class _EvictionQueue:
@@ -367,6 +377,12 @@ class TieredStore:
                 durability=durability, tier=name)
         usage = self._tiers[name].usage()
         need = self._tiers[name].footprint(record)
+        if outcome is _Placed.REFUSED:
+            return BudgetExceeded(
+                f"{durability.name} put of {key} not acknowledged: {_REFUSAL[name]}; {usage.resident_bytes} B of "
+                f"records resident, no {name.value} byte budget configured. Free space or evict records, and "
+                f"configure a {name.value} budget below the medium's capacity so that the store evicts before "
+                f"the medium fills", tier=name, budget_bytes=0, need_bytes=need)
         protected = sum(m.resident_bytes(name) for m in self._index.values()
                         if name in m.tiers and eviction_block_reason(m, name) is not None)
         return BudgetExceeded(
@@ -404,9 +420,11 @@ class TieredStore:
                 return _Placed.STORED
             if not tier.healthy:
                 return _Placed.UNAVAILABLE
+            if not budget:
+                return _Placed.REFUSED  # nothing to evict for: the medium itself is full or failing
             # Refused with room by the arithmetic (free pages held by another kind's slabs):
             # free up to `need` more bytes, then give up.
-            if not budget or freed_after_refusal >= need:
+            if freed_after_refusal >= need:
                 return _Placed.NO_ROOM
             freed = await self._make_room(name, need - freed_after_refusal, op)
             if not freed:
