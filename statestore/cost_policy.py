@@ -62,7 +62,7 @@ class CostPolicyConfig:
     # purpose: the heap caches scores, and a learned tau that drifts would leave records scored
     # under an old tau out of order (early records then squat in the cache). What is learned
     # (P(next), the gap distribution, the tier horizons) enters through the value itself.
-    score_tau_s: float = 60.0
+    score_tau_s: float = 300.0
     reuse: ReuseConfig = ReuseConfig()
 
     def __post_init__(self) -> None:
