@@ -2,7 +2,10 @@
 
 Why kernels: the torch codecs take ~10 elementwise passes (block amax, scale, divide, clamp,
 floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the input once
-and writes codes and scales once, so it runs at copy speed. Decode attention also needs
+and writes codes and scales once. On the H200 that is 24x (quantize) and 6-8x (dequantize)
+faster than the torch codecs on CUDA, but still arithmetic-bound short of copy speed: 41% of
+the copy bandwidth for quantize (a correctly rounded divide per value), 48-58% for dequantize
+(bench/results/gpu_report-cuda.json). Decode attention also needs
 only the top-k selected entries: `gather_dequantize_fp4` reads those packed rows (288 B) and
 writes bf16/fp32 rows, instead of keeping every entry dequantized and gathering from it.
 
@@ -43,7 +46,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 __all__ = ["available", "set_config", "restore_config", "quantize_fp4_e4m3", "quantize_fp4_e8m0", "dequantize_fp4", "gather_dequantize_fp4"]
 
-_TARGET_ELEMS = 8192  # values per program: 16 rows of 512 or 64 rows of 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,9 +284,11 @@ if triton is not None:
 
 # Kernel variant and launch shape per op: "v1" (4-D tiles) or "v2" (2-D tiles, cheaper encode),
 # values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); all
-# variants give the same bits (tests/gpu runs both).
+# variants give the same bits (tests/gpu runs both). Defaults: the sweep's winner on the H200
+# (bench/results/gpu_report-cuda.json, 2026-11-29): v2 with 2,048 values and 2 warps a program
+# was fastest or within 2% for every op (v1 at 8,192/4 took 1.8-6x longer).
 _OPS = ("quantize", "dequantize", "gather_dequantize")
-_CONFIG = {op: {"variant": "v1", "elems": _TARGET_ELEMS, "num_warps": 4} for op in _OPS}
+_CONFIG = {op: {"variant": "v2", "elems": 2048, "num_warps": 2} for op in _OPS}
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,
