@@ -579,7 +579,7 @@ class SSDTier(Tier):
             return None
         path = self._layout.path_str(key)
         result = await self._run(_read_record, path, key, entry.file_bytes, self._read_direct(entry))
-        return await self._finish_get(key, path, result)
+        return result.record if result.record is not None else await self._finish_get(key, path, result)
 
     def _read_direct(self, entry: _Entry) -> bool:
         limit = self._direct_io_min_bytes
