@@ -28,7 +28,7 @@ from statestore.types import Durability, TierName
 from tiers.record import HEADER_SIZE, Record, make_record
 from tiers.ssd import SSDLayout
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 SIZES = [8192] * 3 + [300 << 10] + [8192] * 5  # record 3 is read with O_DIRECT
 MESSAGES = [[(37 * i + 11 * s) % 256 for i in range(n)] for s, n in ((1, 150), (2, 37), (3, 101))]  # 288 tokens

@@ -27,7 +27,7 @@ from statestore.server import StateStoreServer
 from statestore.types import Durability, TierName
 from tiers.record import decode_record, make_record
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 FS_BYTES = 4 << 20
 RECORD_BYTES = 192 << 10

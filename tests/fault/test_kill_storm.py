@@ -3,10 +3,12 @@
 32 sessions append messages and checkpoint (LOCAL) concurrently through one `statestore serve`
 process. Once every session has an acknowledged checkpoint, the server is frozen (SIGSTOP)
 until a put is visibly in flight (a temp file of the SSD tier exists) and SIGKILLed there.
-After a restart on the same data directory:
+After a restart on the same data directory (in this process: a child's start costs seconds of
+imports on 2 cores; tests/integration/test_server_restart.py restarts the CLI itself):
 
-- the start-up scan reports what it discarded (the server's log): exactly the temp files that
-  were in flight, removed, plus at most torn files of unacknowledged puts, quarantined;
+- the start-up scan reports what it discarded (log lines and `StateStoreServer.open_report`):
+  exactly the temp files that were in flight, removed, plus at most torn files of
+  unacknowledged puts, quarantined;
 - every record the server indexes reads back whole (checksums verified): none is torn;
 - every session resumes at its last acknowledged checkpoint, or at the one in flight when the
   kill came after its manifest was durable but before the reply, and an `exact` resume
@@ -16,6 +18,7 @@ After a restart on the same data directory:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import signal
@@ -27,10 +30,12 @@ from pathlib import Path
 import pytest
 
 from statestore.client import ServiceError, StateStoreClient
-from statestore.types import Durability
-from tests.fault.nodes import Node, NodeSet, freeze, thaw
+from statestore.config import ServiceConfig
+from statestore.server import StateStoreServer
+from statestore.types import Durability, TierName
+from tests.fault.nodes import BLOCK_SIZE, Node, NodeSet, freeze, thaw
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(90), pytest.mark.usefixtures("one_torch_thread")]
 
 NUM_SESSIONS = 32
 NUM_CONVERSATIONS = 4  # session s speaks conversation s % 4: fewer uninterrupted runs to compare with
@@ -99,7 +104,7 @@ def kill_with_a_put_in_flight(node: Node, ssd: Path, attempts: int = 3000) -> li
     raise AssertionError("never caught the server with a put in flight")
 
 
-def test_sigkill_during_a_checkpoint_storm(nodes: NodeSet) -> None:
+async def test_sigkill_during_a_checkpoint_storm(nodes: NodeSet, caplog: pytest.LogCaptureFixture) -> None:
     node = nodes.make("node").start().wait_ready()
     storm = Storm()
     clients = threading.Thread(target=run_storm, args=(node.target, storm))
@@ -108,7 +113,7 @@ def test_sigkill_during_a_checkpoint_storm(nodes: NodeSet) -> None:
         deadline = time.monotonic() + 40
         while storm.acked_sessions() < NUM_SESSIONS or sum(map(len, storm.acks.values())) < 2 * NUM_SESSIONS:
             assert clients.is_alive() and time.monotonic() < deadline, f"storm stalled: {storm.errors}"
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         temps = kill_with_a_put_in_flight(node, node.data_dir / "ssd")
     finally:
         storm.stop.set()
@@ -117,13 +122,21 @@ def test_sigkill_during_a_checkpoint_storm(nodes: NodeSet) -> None:
     num_acks = sum(map(len, storm.acks.values()))
     print(f"\nkilled after {num_acks} acknowledged checkpoints, {len(storm.in_flight)} in flight, temps {temps}")
 
-    node.start().wait_ready()
-    discarded = node.discard_lines()
-    removed = sorted(line.split(": ", 1)[0] for line in discarded if line.endswith("(removed)"))
-    assert removed == temps, discarded
-    torn = [line for line in discarded if not line.endswith("(removed)")]
-    assert all(re.search(r": file is \d+ bytes but the header says \d+ \(quarantined\)$", t) for t in torn), torn
-    asyncio.run(check_after_restart(node.target, storm))
+    caplog.set_level(logging.WARNING, logger="statestore.server")
+    server = StateStoreServer(ServiceConfig(listen="127.0.0.1:0", data_dir=node.data_dir, engine_preset="mini",
+                                            block_size=BLOCK_SIZE, grace_s=0))
+    await server.start()
+    try:
+        discarded = server.open_report.discarded[TierName.SSD]
+        logged = [r.getMessage() for r in caplog.records if r.name == "statestore.server"]
+        assert logged == [f"ssd scan discarded {d}" for d in discarded]
+        removed = sorted(line.split(": ", 1)[0] for line in discarded if line.endswith("(removed)"))
+        assert removed == temps, discarded
+        torn = [line for line in discarded if not line.endswith("(removed)")]
+        assert all(re.search(r": file is \d+ bytes but the header says \d+ \(quarantined\)$", t) for t in torn), torn
+        await check_after_restart(f"127.0.0.1:{server.port}", storm)
+    finally:
+        await server.stop(0)
 
 
 async def check_after_restart(target: str, storm: Storm) -> None:

@@ -33,7 +33,7 @@ from statestore.types import Durability
 from tests.fault.nodes import SECRET
 from tiers.record import Record, make_record
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 RedisProcess = Any  # tests/conftest.py's RedisProcess
 MESSAGES = [[random.Random(s).randrange(256) for _ in range(n)] for s, n in ((11, 90), (12, 57))]
