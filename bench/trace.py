@@ -268,10 +268,12 @@ class Simulator:
         host = AccountingHostTier(int(host_gib * GIB), page_sizes, slab_bytes=layout.block_bytes)
         ssd = VirtualTier("ssd", int(ssd_gib * GIB)) if ssd_gib else None
         now = [0.0]
+        # eviction_window 8 (default 32): every put here evicts about one record, and with one
+        # tenant the heap's order already is each policy's order; the window only costs time.
         store = TieredStore(host=host, ssd=ssd, policy=policy, clock=lambda: now[0],
                             config=StoreConfig(retention_by_kind={GLOBAL: Retention.MUST_KEEP,
                                                                   RING: Retention.REBUILDABLE},
-                                               tier_profiles=self.tier_profiles))
+                                               tier_profiles=self.tier_profiles, eviction_window=8))
         res = RunResult(name, host_gib, ssd_gib, policy_obj=policy)
         t0 = time.perf_counter()
         for req in self.requests:
@@ -426,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ssd-gib", type=float, default=64.0, help="SSD budget of the runs with SSD (0: none)")
     ap.add_argument("--requests", type=int, default=None, help="use only the first N requests")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--jobs", type=int, default=1, help="simulate cases in this many processes")
     args = ap.parse_args(argv)
 
     trace = args.trace or default_trace_path()
@@ -443,15 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"costs: {source}; prefill {profile.engine.prefill_s(4096) * 1e6:.1f} us/token at 4K context")
 
     sim = Simulator(requests, profile)
-    results: list[RunResult] = []
-    for ssd in ssd_options:
-        for host in host_budgets:
-            for name in args.policies:
-                r = asyncio.run(sim.run(name, host, ssd))
-                results.append(r)
-                row = r.row()
-                print(f"  {name:9s} host {host:5g} GiB ssd {ssd:3g} GiB: TTFT mean {row['ttft_mean_s']:.3f} s, "
-                      f"hit {row['hit_rate']:.1%} ({r.wall_s:.1f} s)", file=sys.stderr)
+    jobs = [(name, host, ssd) for ssd in ssd_options for host in host_budgets for name in args.policies]
+    results = run_jobs(sim, jobs, args.jobs)
     rows = [r.row() for r in results]
     print_table(rows, ["policy", "host_gib", "ssd_gib", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate",
                        "hit_host", "hit_ssd", "gpu_s_saved", "ssd_written_gib"])
@@ -468,10 +464,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = {"trace": str(trace), "requests": len(requests), "quick": args.quick, "host_gib": list(host_budgets),
               "ssd_gib": args.ssd_gib, "costs": source, "block_tokens": BLOCK_TOKENS,
               "unique_gib_ours": ours / GIB, "unique_gib_fp8": fp8 / GIB,
-              "engine": profile.to_dict()["engine"], "notes": notes}
+              "engine": profile.to_dict()["engine"],
+              "tiers": {t.value: {"latency_s": tp.latency_s, "bandwidth_bytes_per_s": tp.bandwidth_bytes_per_s}
+                        for t, tp in profile.tier_profiles().items()},
+              "notes": notes}
     path = write_results("trace", device="cpu", params=params, rows=rows, floors=floors)
     print(f"wrote {path} and {png}")
     return 0
+
+
+_WORKER_SIM: list[Simulator] = []  # the simulator of a worker process (set by its initializer)
+
+
+def _init_worker(sim: Simulator) -> None:
+    _WORKER_SIM.append(sim)
+
+
+def _run_job(job: tuple[str, float, float]) -> RunResult:
+    return asyncio.run(_WORKER_SIM[0].run(*job))
+
+
+def run_jobs(sim: Simulator, jobs: Sequence[tuple[str, float, float]], num_jobs: int) -> list[RunResult]:
+    """Run (policy, host GiB, SSD GiB) cases, in `num_jobs` processes when > 1; input order kept."""
+    def report(r: RunResult) -> None:
+        row = r.row()
+        print(f"  {r.policy:9s} host {r.host_gib:5g} GiB ssd {r.ssd_gib:3g} GiB: TTFT mean {row['ttft_mean_s']:.3f} s, "
+              f"hit {row['hit_rate']:.1%} ({r.wall_s:.1f} s)", file=sys.stderr, flush=True)
+
+    if num_jobs <= 1:
+        results = []
+        for job in jobs:
+            results.append(asyncio.run(sim.run(*job)))
+            report(results[-1])
+        return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(num_jobs, mp_context=ctx, initializer=_init_worker, initargs=(sim,)) as pool:
+        futures = [pool.submit(_run_job, job) for job in jobs]
+        results = []
+        for f in futures:
+            results.append(f.result())
+            report(results[-1])
+    return results
 
 
 def extend_for_floor(sim: Simulator, results: Sequence[RunResult], requests: Sequence[Request],

@@ -106,7 +106,7 @@ class CostAwarePolicy(PlacementPolicy):
         self.config = config or CostPolicyConfig()
         self.reuse = ReuseEstimator(self.config.reuse)
         self._now = 0.0
-        self._inflow: dict[TierName, tuple[float, int]] = {}  # tier -> (first put time, bytes put)
+        self._inflow_total: tuple[float, int] = (0.0, 0)  # (first put time, bytes put since)
         self._shadow: dict[TierName, float] = {}  # tier -> EWMA of removed copies' scores
         self._seen_costs: dict[TierName, TierCost] = {}  # the latest TierCost of each tier
         # (key, tier) -> (last_access, score, tau) of each scored copy: a memo of this policy's
@@ -127,11 +127,16 @@ class CostAwarePolicy(PlacementPolicy):
         return e.block_rebuild_s(start, end)
 
     def horizon_s(self, tier: TierCost) -> float:
-        """How long a byte stays in `tier` before it turns over: budget / inflow (clamped)."""
+        """How long a byte would stay in `tier` if every put entered it: budget / put inflow (clamped).
+
+        The inflow is of all puts, not of what the tier admitted: a horizon from admitted
+        bytes alone would start infinite for a tier that admitted nothing yet, price its
+        marginal value at zero, and so never admit anything (it did, on the trace).
+        """
         c = self.config
-        first, nbytes = self._inflow.get(tier.tier, (self._now, 0))
-        elapsed = self._now - first
-        if not tier.budget_bytes or nbytes <= 0 or elapsed <= 0:
+        first, nbytes = self._inflow_total
+        elapsed = max(1.0, self._now - first)  # a burst at one instant: as if it took a second
+        if not tier.budget_bytes or nbytes <= 0:
             return c.max_horizon_s
         return min(c.max_horizon_s, max(c.min_horizon_s, tier.budget_bytes / (nbytes / elapsed)))
 
@@ -264,9 +269,8 @@ class CostAwarePolicy(PlacementPolicy):
     def on_put(self, meta: StateMeta, tiers: frozenset[TierName]) -> None:
         self._see(meta)
         self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
-        for name in tiers:
-            first, nbytes = self._inflow.get(name, (meta.last_access, 0))
-            self._inflow[name] = (first, nbytes + meta.resident_bytes(name))
+        first, nbytes = self._inflow_total
+        self._inflow_total = (first if nbytes else meta.last_access, nbytes + meta.size_bytes)
 
     def on_access(self, meta: StateMeta, tier: TierName) -> None:
         self._see(meta)

@@ -5,8 +5,9 @@ only through the policy's hooks (no I/O, no clock: time is the records' own time
 keeps, per tenant:
 
 - `P(next | n)`: the chance that a record accessed n times is accessed again, from counts of
-  records that reached n accesses and of those that went on to n + 1 (n capped at
-  `max_rank`). Frequency is what LRU ignores: a block read twice is far likelier to be read
+  records that went on to n + 1 accesses and of those that stayed idle past the resolve
+  time (the 95th-percentile gap) after their n-th (n capped at `max_rank`); accesses still
+  inside that time are open, not failures, so early estimates are not biased low. Frequency is what LRU ignores: a block read twice is far likelier to be read
   a third time than a block read once is to be read a second time.
 - the gap distribution: the empirical CDF of the last `max_gaps` inter-access gaps, mixed
   with an exponential tail so that an idle time past every observed gap is unlikely, not
@@ -43,11 +44,14 @@ class ReuseConfig:
 
 @dataclass(slots=True)
 class _TenantStats:
-    reached: list[int]  # reached[n]: records that reached n accesses (index 0 unused)
-    went_on: list[int]  # went_on[n]: of those, records accessed once more
+    stopped: list[int]  # stopped[n]: records idle past the resolve time after their n-th access
+    went_on: list[int]  # went_on[n]: records accessed again after their n-th access
     gaps: deque[float]
     sorted_gaps: list[float] = field(default_factory=list)
     gap_sum: float = 0.0
+    # (time, key, n) of recent accesses whose outcome (another access or not) is still open:
+    # counting them as "not reused" would bias P(next) low early on (right-censoring).
+    pending: deque[tuple[float, bytes, int]] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -70,9 +74,11 @@ class ReuseEstimator:
         """An access (a put or a hit) of `key` at `when`: a reuse if the key was seen before.
 
         Keys are remembered after their records are gone (up to `max_keys`), so a block that
-        is rebuilt and put again after an eviction still counts as a reuse.
+        is rebuilt and put again after an eviction still counts as a reuse. An access whose
+        key stays idle for `resolve_s` counts as the last one of that key.
         """
         stats = self._stats(tenant)
+        self._resolve(stats, when)
         h = self._history.get(key)
         if h is None:
             h = self._history[key] = _History(0, when)
@@ -84,7 +90,25 @@ class ReuseEstimator:
             self._add_gap(stats, max(0.0, when - h.last))
         h.count += 1
         h.last = max(h.last, when)
-        stats.reached[self._rank(h.count)] += 1
+        stats.pending.append((when, key, h.count))
+
+    def resolve_s(self, tenant: bytes) -> float:
+        """Idle time after which an access counts as a key's last: the 95th-percentile gap, at least 60 s."""
+        stats = self._tenants.get(tenant)
+        return self._resolve_s(stats) if stats else max(60.0, 3 * self.config.prior_gap_s)
+
+    def _resolve(self, stats: _TenantStats, now: float) -> None:
+        horizon = now - self._resolve_s(stats)
+        while stats.pending and stats.pending[0][0] <= horizon:
+            _, key, count = stats.pending.popleft()
+            h = self._history.get(key)
+            if h is not None and h.count == count:
+                stats.stopped[self._rank(count)] += 1
+
+    def _resolve_s(self, stats: _TenantStats) -> float:
+        if not stats.sorted_gaps:
+            return max(60.0, 3 * self.config.prior_gap_s)
+        return max(60.0, stats.sorted_gaps[int(0.95 * (len(stats.sorted_gaps) - 1))])
 
     def _add_gap(self, stats: _TenantStats, gap: float) -> None:
         if len(stats.gaps) == stats.gaps.maxlen:
@@ -107,9 +131,9 @@ class ReuseEstimator:
         c = self.config
         stats = self._tenants.get(tenant)
         n = self._rank(max(1, count))
-        reached = stats.reached[n] if stats else 0
         went_on = stats.went_on[n] if stats else 0
-        return (went_on + c.prior_p_next * c.prior_weight) / (reached + c.prior_weight)
+        stopped = stats.stopped[n] if stats else 0
+        return (went_on + c.prior_p_next * c.prior_weight) / (went_on + stopped + c.prior_weight)
 
     def mean_gap_s(self, tenant: bytes) -> float:
         c = self.config

@@ -131,6 +131,10 @@ def test_learned_gaps_change_p_reuse() -> None:
         est.observe(k, ALICE, float(i))
         est.observe(k, ALICE, float(i) + 5.0)
         est.observe(bytes([2]) + i.to_bytes(4, "big"), BOB, float(i))
+    # Bob's blocks are open questions until they have been idle for his resolve time (no gaps
+    # seen: 3 x the 300 s prior): not yet evidence against reuse.
+    assert est.p_next(BOB, 1) == pytest.approx(0.5) and est.resolve_s(BOB) == 900.0
+    est.observe(b"later", BOB, 1200.0)
     assert est.p_next(ALICE, 1) > 0.9 and est.p_next(BOB, 1) < 0.05
     assert 5.0 <= est.mean_gap_s(ALICE) < 8.0  # 200 gaps of 5 s and the 300 s prior worth 2
     assert est.p_reuse_within(ALICE, 1, 0.0, 60.0) > 0.9
