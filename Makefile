@@ -28,8 +28,9 @@ test: install
 	$(MAKE) test-lmcache
 
 # LMCache interop (tests/lmcache, bench/lmcache.py) runs in a second venv: LMCache 0.5.6 pins
-# grpcio==1.78.0, protobuf<7, numpy<=2.2.6. Its light route: lmcache without its deps, then the
-# ones it imports, then our package (--no-deps) with our runtime deps held to its pins.
+# grpcio==1.78.0, protobuf<7, numpy<=2.2.6. Its light route: the deps LMCache imports on the CPU and
+# our runtime deps held to its pins, then lmcache and our package without their declared deps
+# (LMCache declares CUDA, cloud and telemetry packages it does not import here).
 LMCACHE_VENV ?= .venv-lmcache
 LBIN         := $(LMCACHE_VENV)/bin
 LMCACHE_DEPS := sortedcontainers pyyaml requests cachetools "prometheus_client>=0.18,<=0.24.1" py-cpuinfo psutil aiohttp \
@@ -41,9 +42,8 @@ $(LMCACHE_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(LMCACHE_VENV)
 	echo '*' > $(LMCACHE_VENV)/.gitignore
 	$(LBIN)/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(LBIN)/pip install -q --disable-pip-version-check --no-deps lmcache==0.5.6
 	$(LBIN)/pip install -q --disable-pip-version-check "$(TORCH)" $(LMCACHE_DEPS) $(OUR_DEPS)
-	$(LBIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	$(LBIN)/pip install -q --disable-pip-version-check --no-deps lmcache==0.5.6 -e .
 	touch $@
 
 # STATESTORE_REQUIRE_LMCACHE=1: a missing lmcache fails these tests instead of skipping them.

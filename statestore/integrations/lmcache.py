@@ -22,6 +22,8 @@ The LMCache config a user writes (YAML; `LMCACHE_CONFIG_FILE=lmcache.yaml`)::
       remote_storage_plugin.statestore.durability: local           # memory | local | shared
       remote_storage_plugin.statestore.timeout_s: 5.0              # data calls
       remote_storage_plugin.statestore.lookup_timeout_s: 0.5       # contains / prefix lookups
+      remote_storage_plugin.statestore.frame_bytes: 1048576        # bytes per gRPC message: below the
+                                                                   # server's max_message_bytes (4 MiB)
 
 Every process that should share chunks must run with the same `PYTHONHASHSEED` (without
 vLLM, LMCache hashes token chunks with Python's `hash`). The plugin name (`statestore`
@@ -93,6 +95,7 @@ _LAYOUT_VERSION = 1
 _KIND = int(StateKind.OPAQUE)
 _LOOKUP_BATCH = 65536  # the server's key limit per Lookup
 _GET_BATCH = 4096  # the server's key limit per GetRecords
+_LIST_CONCURRENCY = 16  # first-frame reads in flight while listing
 _GET_METHOD = "/statestore.v1.StateStore/GetRecords"
 
 
@@ -580,7 +583,13 @@ class StateStoreConnector(RemoteConnector):
     async def _list(self) -> list[str]:
         infos, _ = await self._open().list_records(kind=_KIND, limit=100_000)
         mine = [i.key for i in infos if i.model_fingerprint == self.fingerprint]
-        names = await asyncio.gather(*(self._key_string(k) for k in mine))
+        limit = asyncio.Semaphore(_LIST_CONCURRENCY)
+
+        async def one(key: bytes) -> str | None:
+            async with limit:
+                return await self._key_string(key)
+
+        names = await asyncio.gather(*(one(k) for k in mine))
         return [n for n in names if n is not None]
 
     async def list(self) -> list[str]:
