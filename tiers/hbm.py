@@ -33,7 +33,10 @@ import ctypes
 import heapq
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
+from typing import NamedTuple
 
 import torch
 
@@ -84,6 +87,12 @@ class SlotPool:
         """`num` slot ids, lowest first; None (nothing taken) if fewer are free."""
         if num > self.num_slots - self._num_used:
             return None
+        if not self._freed:  # bulk path: one range from the watermark, marked with one slice write
+            start = self._fresh
+            self._fresh = start + num
+            self._used[start: start + num] = b"\x01" * num
+            self._num_used += num
+            return list(range(start, start + num))
         take = min(num, len(self._freed))
         ids = [heapq.heappop(self._freed) for _ in range(take)]
         ids.extend(range(self._fresh, self._fresh + num - take))
@@ -105,8 +114,9 @@ class SlotPool:
             self._fresh = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Resident:
+class _Resident(NamedTuple):
+    """An index entry (a tuple: `load_from` builds a batch of them with one C-level map)."""
+
     header: bytes  # encoded header with the payload checksum (host memory, counted as overhead)
     kind: int
     slot_ids: tuple[int, ...]
@@ -320,61 +330,89 @@ class HbmTier(Tier):
         key (None: not in a pinned pool of `host`, or no room here). Per record this is a few
         dict and list operations: at 1,024 records it must stay under the ~2 ms of the copy.
         """
-        by_kind: dict[int, list[tuple[int, _Resident]]] = {}
         entries = host._index
-        for i, k in enumerate(keys):
-            e = entries.get(k)
-            if e is not None and e.kind in self.pools:
-                by_kind.setdefault(e.kind, []).append((i, e))
+        found = list(map(entries.get, keys))
         events: list[object | None] = [None] * len(keys)
-        placed: list[tuple[int, list[tuple[int, _Resident]], list[int]]] = []
-        for kind, items in by_kind.items():
+        groups: dict[int, list[int]] = {}  # kind -> positions in `keys`
+        if None not in found:  # every key pinned: group with C-level maps, not a loop of dict operations
+            kinds = list(map(_KIND, found))
+            distinct = set(kinds)
+            for kind in distinct:
+                if kind in self.pools:
+                    groups[kind] = list(range(len(keys))) if len(distinct) == 1 else \
+                        [i for i, k in enumerate(kinds) if k == kind]
+        else:
+            for i, e in enumerate(found):
+                if e is not None and e.kind in self.pools:
+                    groups.setdefault(e.kind, []).append(i)
+        # 1. per kind: source pages, one allocation, runs; every copy is issued before any bookkeeping
+        placed: list[tuple[int, list[int], list[_Resident], list[int], bool]] = []
+        copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]] = []
+        for kind, pos in groups.items():
             src_pool, dst_pool = host.pinned_pools[kind], self.pools[kind]
             if src_pool.page_bytes != dst_pool.page_bytes:
                 raise ValueError(f"kind {kind}: host pages of {src_pool.page_bytes} B, hbm pages of {dst_pool.page_bytes} B")
-            src_ids = [sid for _, e in items for sid in e.slot_ids]
+            items = [found[i] for i in pos]
+            slot_lists = list(map(_SLOTS, items))
+            single = sum(map(len, slot_lists)) == len(items)  # one page per record (the usual case)
+            src_ids = [t[0] for t in slot_lists] if single else [sid for t in slot_lists for sid in t]
             ids = dst_pool.allocate(len(src_ids))
             if ids is None:
                 continue
-            event = self._copy_slot_runs(src_pool, dst_pool, src_ids, ids)
-            for i, _ in items:
-                events[i] = event
-            placed.append((kind, items, ids))
-        for kind, items, ids in placed:  # bookkeeping overlaps the copies in flight
+            copies.append((src_pool, dst_pool, src_ids, ids))
+            placed.append((kind, pos, items, ids, single))
+        event = self._copy_slot_runs_many(copies) if copies else None
+        # 2. bookkeeping while the copies fly: one index update and one tally update per kind
+        index = self._index
+        for kind, pos, items, ids, single in placed:
             page = self.pools[kind].page_bytes
-            index, at, payload, footprint = self._index, 0, 0, 0
-            for i, e in items:
-                n = len(e.slot_ids)
-                key = keys[i]
-                if key in index:
+            batch_keys = [keys[i] for i in pos]
+            unique = set(batch_keys)
+            if not index.keys().isdisjoint(unique):  # replaced records give their pages back first
+                for key in unique:
+                    if key in index:
+                        self._drop(key)
+            if single:
+                slot_tuples = list(zip(ids))
+                npages = len(items)
+                footprint = npages * page + len(items) * record_overhead_bytes(1)
+            else:
+                slot_tuples, at = [], 0
+                for t in map(_SLOTS, items):
+                    slot_tuples.append(tuple(ids[at: at + len(t)]))
+                    at += len(t)
+                footprint = sum(len(t) * page + record_overhead_bytes(len(t)) for t in slot_tuples)
+            payload_lens = list(map(_PAYLOAD_LEN, items))
+            residents = map(_new_resident, zip(map(_HEADER, items), repeat(kind), slot_tuples, payload_lens,
+                                               map(_VERIFIED, items)))
+            if len(unique) == len(batch_keys):
+                index.update(zip(batch_keys, residents))
+                t = self._tally.setdefault(kind, [0, 0, 0])
+                t[0], t[1], t[2] = t[0] + len(items), t[1] + sum(payload_lens), t[2] + footprint
+            else:  # a key twice in one batch: the later copy wins and the earlier one's pages are freed
+                for key, resident in zip(batch_keys, residents):
                     self._drop(key)
-                index[key] = _Resident(e.header, kind, tuple(ids[at: at + n]), e.payload_len, e.verified)
-                at += n
-                payload += e.payload_len
-                footprint += n * page + record_overhead_bytes(n)
-            t = self._tally.setdefault(kind, [0, 0, 0])
-            t[0], t[1], t[2] = t[0] + len(items), t[1] + payload, t[2] + footprint
+                    index[key] = resident
+                    n = len(resident.slot_ids)
+                    self._count(kind, resident.payload_len, n * page + record_overhead_bytes(n), +1)
+            for i in pos:
+                events[i] = event
         return events
 
-    def _copy_slot_runs(self, src: SlotPool, dst: SlotPool, src_ids: list[int], dst_ids: list[int]) -> object:
-        """One copy per run where both source and destination slots are consecutive (one pass, no sort)."""
-        if dst.tensor is None or src.tensor is None:
+    def _copy_slot_runs_many(self, copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]]) -> object:
+        """All kinds' copies on the tier's stream, one event for the batch."""
+        runs = [(src, dst, _slot_runs(src_ids, dst_ids)) for src, dst, src_ids, dst_ids in copies]
+        if any(dst.tensor is None or src.tensor is None for src, dst, _ in runs):
             return _Ready()
-        runs: list[list[int]] = []
-        last_s = last_d = -2
-        for s_id, d_id in zip(src_ids, dst_ids):
-            if s_id == last_s + 1 and d_id == last_d + 1:
-                runs[-1][2] += 1
-            else:
-                runs.append([s_id, d_id, 1])
-            last_s, last_d = s_id, d_id
         if self._stream is None:
-            for s_id, d_id, n in runs:
-                dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n])
+            for src, dst, rs in runs:
+                for s_id, d_id, n in rs:
+                    dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n])
             return _Ready()
         with torch.cuda.stream(self._stream):
-            for s_id, d_id, n in runs:
-                dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n], non_blocking=True)
+            for src, dst, rs in runs:
+                for s_id, d_id, n in rs:
+                    dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         return event
@@ -463,6 +501,31 @@ class HbmTier(Tier):
                 event.record(self._stream)
         self._staging_free[buf_id] = event
         return event
+
+
+_new_resident = partial(tuple.__new__, _Resident)  # C-level construction (NamedTuple.__new__ is a Python frame)
+_KIND = attrgetter("kind")
+_SLOTS = attrgetter("slot_ids")
+_HEADER = attrgetter("header")
+_PAYLOAD_LEN = attrgetter("payload_len")
+_VERIFIED = attrgetter("verified")
+
+
+def _slot_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first source slot, first destination slot, length) per run consecutive on both sides."""
+    n = len(src_ids)
+    if n and src_ids[-1] - src_ids[0] == n - 1 and dst_ids[-1] - dst_ids[0] == n - 1 \
+            and src_ids == list(range(src_ids[0], src_ids[0] + n)) and dst_ids == list(range(dst_ids[0], dst_ids[0] + n)):
+        return [(src_ids[0], dst_ids[0], n)]  # a session checkpointed in order: one copy
+    runs: list[list[int]] = []
+    last_s = last_d = -2
+    for s_id, d_id in zip(src_ids, dst_ids):
+        if s_id == last_s + 1 and d_id == last_d + 1:
+            runs[-1][2] += 1
+        else:
+            runs.append([s_id, d_id, 1])
+        last_s, last_d = s_id, d_id
+    return [tuple(r) for r in runs]
 
 
 def _pages(payload_len: int, page_bytes: int) -> int:
