@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 MANIFEST_KIND = 0x100
 """Record kind code of session manifests (beyond the model's `StateKind`s)."""
 MANIFEST_FORMAT = 1
+OBJECT_LAYOUT = 2
+"""How a checkpoint's versioned records (tail, token ids, rings) are keyed. Layout 1: one block
+key per object and kind ("tail-GLOBAL_KV", "tokens", "rings-SWA_RING", ...). Layout 2: one
+block key per checkpoint version for all of them (their kinds tell them apart), so they share
+one Redis Cluster hash tag, i.e. one slot, as the kinds of a block do. A manifest names its
+layout; manifests written before the field existed are layout 1."""
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 REPLAY_MODES = ("exact", "bounded", "off")
 _PERSON_SESSION = b"ss.session.v1"
@@ -102,6 +108,7 @@ class Manifest:
     durability: int
     created_at: float
     rings_until: float | None = None  # rings record valid until this wall-clock time
+    object_layout: int = 1  # how the versioned records are keyed (OBJECT_LAYOUT)
 
     def to_bytes(self) -> bytes:
         doc = {"format": MANIFEST_FORMAT, **asdict(self)}
@@ -124,13 +131,16 @@ class Manifest:
                     tail_start=int(doc["tail_start"]), tail_end=int(doc["tail_end"]),
                     message_boundaries=tuple(int(b) for b in doc["message_boundaries"]),
                     durability=int(doc["durability"]), created_at=float(doc["created_at"]),
-                    rings_until=None if doc.get("rings_until") is None else float(doc["rings_until"]))
+                    rings_until=None if doc.get("rings_until") is None else float(doc["rings_until"]),
+                    object_layout=int(doc.get("object_layout", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"manifest field missing or mistyped: {exc}") from exc
         m.validate()
         return m
 
     def validate(self) -> None:
+        if self.object_layout not in (1, OBJECT_LAYOUT):
+            raise ValueError(f"manifest: unknown object_layout {self.object_layout}")
         if self.block_size < 1 or self.num_tokens < 0 or self.version < 1:
             raise ValueError("manifest: block_size, num_tokens or version out of range")
         if len(self.block_keys) != self.num_tokens // self.block_size:
@@ -262,6 +272,14 @@ class SessionManager:
     def _object_key(self, tenant: str, session_id: str, what: str, version: int) -> bytes:
         data = self._session_key(tenant, session_id) + f"{what}:{version}".encode()
         return hashlib.blake2b(data, digest_size=KEY_BYTES, key=self._salt(tenant), person=_PERSON_OBJECT).digest()
+
+    def _version_key(self, tenant: str, session_id: str, what: str, kind: StateKind, version: int,
+                     layout: int | None = None) -> bytes:
+        """Block key of a checkpoint's versioned object ("tail", "tokens" or "rings") of `kind`,
+        in `layout` (default: the one new checkpoints use)."""
+        if (OBJECT_LAYOUT if layout is None else layout) == 1:
+            return self._object_key(tenant, session_id, what if what == "tokens" else f"{what}-{kind.name}", version)
+        return self._object_key(tenant, session_id, "checkpoint", version)
 
     def _manifest_key(self, tenant: str, session_id: str) -> RecordKey:
         return make_record_key(MANIFEST_KIND, self._session_key(tenant, session_id))
@@ -398,17 +416,19 @@ class SessionManager:
             parent = live.block_keys[-1] if live.block_keys else ZERO_KEY
             for payload in exported["tail"]:
                 written[payload.kind.name] = written.get(payload.kind.name, 0) + await self._put_payload(
-                    tenant, self._object_key(tenant, session_id, f"tail-{payload.kind.name}", version),
+                    tenant, self._version_key(tenant, session_id, "tail", payload.kind, version),
                     parent, payload, durability)
             written["TOKENS"] = await self._put_payload(
-                tenant, self._object_key(tenant, session_id, "tokens", version), ZERO_KEY, exported["tokens"], durability)
+                tenant, self._version_key(tenant, session_id, "tokens", StateKind.TOKENS, version), ZERO_KEY,
+                exported["tokens"], durability)
             rings_until = await self._maybe_keep_rings(tenant, session_id, version, exported.get("rings", []), written)
             manifest = Manifest(
                 tenant=tenant, session_id=session_id, version=version,
                 model_fingerprint=self.adapter.model_fingerprint.hex(), block_size=self.config.block_size,
                 num_tokens=num_tokens, block_keys=tuple(k.hex() for k in live.block_keys),
                 tail_start=tail_start, tail_end=tail_end, message_boundaries=tuple(live.boundaries),
-                durability=int(durability), created_at=time.time(), rings_until=rings_until)
+                durability=int(durability), created_at=time.time(), rings_until=rings_until,
+                object_layout=OBJECT_LAYOUT)
             written["manifest"] = await self._put_manifest(tenant, session_id, manifest, durability)
             live.version = version
             if previous is not None:
@@ -469,7 +489,7 @@ class SessionManager:
             return None
         hints = PutHints(expected_return_s=ttl, ttl_s=ttl)
         for payload in payloads:
-            key = self._object_key(tenant, session_id, f"rings-{payload.kind.name}", version)
+            key = self._version_key(tenant, session_id, "rings", payload.kind, version)
             written[payload.kind.name] = written.get(payload.kind.name, 0) + await self._put_payload(
                 tenant, key, ZERO_KEY, payload, Durability.MEMORY, hints)
         return time.time() + ttl
@@ -492,12 +512,12 @@ class SessionManager:
         return manifest
 
     def _object_keys(self, tenant: str, session_id: str, manifest: Manifest) -> list[RecordKey]:
-        v, keys = manifest.version, [make_record_key(int(StateKind.TOKENS), self._object_key(tenant, session_id, "tokens", manifest.version))]
-        for kind in (StateKind.GLOBAL_KV, StateKind.INDEX_K):
-            keys.append(make_record_key(int(kind), self._object_key(tenant, session_id, f"tail-{kind.name}", v)))
-        for kind in (StateKind.SWA_RING, StateKind.COMPRESSOR_TAIL, StateKind.OPAQUE):
-            keys.append(make_record_key(int(kind), self._object_key(tenant, session_id, f"rings-{kind.name}", v)))
-        return keys
+        """Record keys of the manifest's versioned objects: tokens, tail (2), rings (3), in that order."""
+        objects = [("tokens", StateKind.TOKENS), ("tail", StateKind.GLOBAL_KV), ("tail", StateKind.INDEX_K),
+                   ("rings", StateKind.SWA_RING), ("rings", StateKind.COMPRESSOR_TAIL), ("rings", StateKind.OPAQUE)]
+        return [make_record_key(int(kind), self._version_key(tenant, session_id, what, kind, manifest.version,
+                                                             manifest.object_layout))
+                for what, kind in objects]
 
     async def _delete_objects(self, tenant: str, session_id: str, manifest: Manifest) -> None:
         for key in self._object_keys(tenant, session_id, manifest):
@@ -608,7 +628,7 @@ class SessionManager:
                                     expect_tenant=tenant_id(tenant))
 
     async def _load_tokens(self, tenant: str, session_id: str, manifest: Manifest) -> list[int]:
-        key = make_record_key(int(StateKind.TOKENS), self._object_key(tenant, session_id, "tokens", manifest.version))
+        key = self._object_keys(tenant, session_id, manifest)[0]
         record = await self._get(tenant, key)
         if record is None:
             raise CheckpointIncomplete(f"session {session_id!r}: the token ids of checkpoint {manifest.version} are "
@@ -621,8 +641,8 @@ class SessionManager:
 
     async def _load_rings(self, tenant: str, session_id: str, manifest: Manifest) -> list[StatePayload] | None:
         out = []
-        for kind in (StateKind.SWA_RING, StateKind.COMPRESSOR_TAIL, StateKind.OPAQUE):
-            key = make_record_key(int(kind), self._object_key(tenant, session_id, f"rings-{kind.name}", manifest.version))
+        for kind, key in zip((StateKind.SWA_RING, StateKind.COMPRESSOR_TAIL, StateKind.OPAQUE),
+                             self._object_keys(tenant, session_id, manifest)[3:]):
             record = await self._get(tenant, key)
             if record is None:
                 return None
@@ -644,8 +664,7 @@ class SessionManager:
             payloads += pair
             nbytes += sum(len(p.payload) for p in pair)
         if manifest.tail_end > manifest.tail_start:
-            keys = [self._object_key(tenant, session_id, f"tail-{k.name}", manifest.version)
-                    for k in (StateKind.GLOBAL_KV, StateKind.INDEX_K)]
+            keys = [key[2:] for key in self._object_keys(tenant, session_id, manifest)[1:3]]
             pair = await self._load_pair(tenant, *keys)
             if pair is None:
                 return payloads, manifest.tail_start, nbytes
