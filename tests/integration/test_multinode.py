@@ -15,6 +15,7 @@ see exactly the previous checkpoint and continue from it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -35,12 +36,12 @@ from statestore.client import ServiceError, StateStoreClient, SyncStateStoreClie
 from statestore.sessions import MANIFEST_KIND, Manifest
 from statestore.types import Durability
 from tests.fault.nodes import BLOCK_SIZE, Node, NodeSet, RedisServer, freeze, node_set, start_all, thaw
-from tiers.record import decode_record
+from tiers.record import decode_record, make_record_key
 
 pytestmark = [pytest.mark.redis, pytest.mark.subprocess, pytest.mark.timeout(90)]
 
 PREFIX = "mn"
-GLOBAL_KV, INDEX_K = 1, 2
+GLOBAL_KV, INDEX_K, TOKENS = 1, 2, 5
 RedisProcess = Any  # tests/conftest.py's RedisProcess
 
 
@@ -183,7 +184,9 @@ def test_shared_checkpoint_on_node_a_resumes_exactly_on_node_b(
         by_tag.setdefault(tag, {})[kind] = name
     for block in manifest.block_keys:  # both kinds of every block, under one hash tag
         assert sorted(by_tag[block]) == [GLOBAL_KV, INDEX_K]
-    assert sum(len(kinds) for kinds in by_tag.values()) == len(keys) == 8 + 1 + 3  # blocks, manifest, tail x2 + tokens
+    others = sorted(sorted(kinds) for tag, kinds in by_tag.items() if tag not in manifest.block_keys)
+    assert others == [[GLOBAL_KV, INDEX_K, TOKENS], [MANIFEST_KIND]]  # v2's tail and token ids under one tag
+    assert len(keys) == 8 + 3 + 1
     # Keys of one record group sit in one slot: the hash tag decides, as CLUSTER KEYSLOT says.
     with Redis(port=ports[0]) as client:
         for tag, kinds in by_tag.items():
@@ -288,3 +291,64 @@ def _kill_between_records_and_manifest(node: Node, port: int, before: set[str], 
             assert worker.is_alive(), "the checkpoint finished before it was caught in flight"
             time.sleep(0.002)
     raise AssertionError("never caught the checkpoint in flight")
+
+
+# ----- key layout of checkpoints written before the shared hash tag ------------------------------
+
+
+async def test_checkpoint_of_object_layout_1_resumes_and_its_objects_are_deleted_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints written before OBJECT_LAYOUT 2 (one key per object and kind, manifests
+    without the field) still resume exactly; the next checkpoint deletes their objects."""
+    import torch
+
+    from statestore import sessions as ss
+    from statestore.server import build_adapter
+    from statestore.store import TieredStore
+    from tiers.host import HostTier
+    from tiers.ssd import SSDTier
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    store = TieredStore(host=HostTier(64 << 20), ssd=await SSDTier.create(tmp_path / "ssd"))
+    await store.open()
+    manager = ss.SessionManager(store, build_adapter("mini", 0), ss.SessionConfig(secret=SECRET_FOR_LAYOUT,
+                                                                                 block_size=BLOCK_SIZE))
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ss, "OBJECT_LAYOUT", 1)
+            await manager.create("t", "old")
+            for msg in MESSAGES[:2]:
+                await manager.append("t", "old", msg)
+            await manager.checkpoint("t", "old")
+        old = await manager._load_manifest("t", "old")
+        assert old is not None and old.object_layout == 1 and old.version == 1
+        raw = json_doc(await store.get(manager._manifest_key("t", "old")))
+        raw.pop("object_layout")  # as written before the field existed
+        legacy = ss.Manifest.from_bytes(json.dumps(raw).encode())
+        assert legacy == old
+        old_keys = manager._object_keys("t", "old", old)
+        assert old_keys[0] == make_record_key(5, manager._object_key("t", "old", "tokens", 1))
+        assert all(store.meta(k) is not None for k in old_keys[:3])
+
+        expected = await manager.generate("t", "old", 6)
+        await manager.drop("t", "old")
+        report = await manager.resume("t", "old", "exact")
+        assert (report.mode, report.num_tokens, report.persisted_tokens) == ("exact", 187, 187)
+        assert await manager.generate("t", "old", 6) == expected
+        new = await manager.checkpoint("t", "old")  # layout 2; deletes v1's objects
+        assert new.version == 2
+        assert (await manager._load_manifest("t", "old")).object_layout == ss.OBJECT_LAYOUT == 2  # type: ignore[union-attr]
+        assert all(store.meta(k) is None for k in old_keys)
+    finally:
+        await manager.aclose()
+        await store.aclose()
+        torch.set_num_threads(threads)
+
+
+SECRET_FOR_LAYOUT = b"layout-test-secret-0123456789abc"
+
+
+def json_doc(record: Any) -> dict[str, Any]:
+    assert record is not None
+    return json.loads(record.payload)
