@@ -3,12 +3,15 @@
 Configured in `ServiceConfig` (config.py): `[quotas]` gives the defaults of every tenant,
 `[tenants.<name>]` overrides them for one tenant; 0 means unbounded. Enforced where state
 enters the service, so a tenant over its quota gets RESOURCE_EXHAUSTED with a message naming
-the quota and the numbers, and nothing is stored:
+the quota and the numbers:
 
-    PutRecords           the whole stream is admitted (or refused) before its first put
+    PutRecords           the whole stream is admitted (or refused, storing nothing) before its
+                         first put
     session checkpoints  the session layer writes through `QuotaStore`, whose `put` refuses a
-                         record that would take its tenant over `max_bytes` (the manifest is
-                         written last, so a refused checkpoint leaves the previous one intact)
+                         record that would take its tenant over `max_bytes`. The manifest is
+                         written last, so a refused checkpoint leaves the previous one intact;
+                         block records it stored before the refusal stay (counted, and reused
+                         by the next checkpoint)
     Sessions.Create      `max_sessions`: live and checkpointed sessions of the tenant together
 
 Accounting. A tenant's bytes are the `size_bytes` (header + raw payload) of its records in
