@@ -255,6 +255,37 @@ async def test_write_failure_leaves_no_half_file(tier: SSDTier, caplog: pytest.L
     assert await tier.put(big) is True  # and the tier still works afterwards
 
 
+async def test_put_many_reports_each_record_and_keeps_going_after_a_failure(tier: SSDTier) -> None:
+    """put_many writes shares of the batch per thread call: a record the file system refuses
+    is False on its own, the others (new keys and a replacement) are stored and indexed."""
+    old = rec(3, 500)
+    await tier.put(old)
+    batch = [rec(1, 100), rec(2, 8 << 20), make_record(1, 1, b"new" * 300, model_fingerprint=b"F" * 16,
+                                                         tenant_id=b"T" * 16, block_key=old.header.block_key),
+             rec(4, 300_000), rec(5, 2 << 20)]
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, old_limit[1]))
+    try:
+        assert await tier.put_many(batch) == [True, False, True, True, True]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    root = tier._layout.root
+    stored = [batch[i] for i in (0, 2, 3, 4)]
+    assert files_under(root) == sorted(str(record_path(root, r).relative_to(root)) for r in stored)
+    assert tier.usage().resident_bytes == sum(tier.footprint(r) for r in stored)
+    for r in stored:
+        assert_same(await tier.get(r.key), r)
+    assert await tier.contains([batch[1].key]) == [False]
+    # A batch that repeats a key goes record by record: one consistent record remains.
+    again = [rec(6, 1000), make_record(1, 1, b"x" * 10, model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
+                                       block_key=rec(6).header.block_key)]
+    assert await tier.put_many(again) == [True, True]
+    got = await tier.get(again[0].key)
+    assert got is not None and got.payload in {again[0].payload, again[1].payload}
+
+
 async def test_new_key_over_an_unindexed_file_replaces_it_atomically(tier: SSDTier) -> None:
     """A new key is written in place with O_EXCL; if a file the index does not know already
     holds its name, the put falls back to temp file + rename and replaces it whole."""
