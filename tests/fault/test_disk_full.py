@@ -25,7 +25,7 @@ from statestore.client import ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability, TierName
-from tiers.record import decode_record, make_record
+from tiers.record import Record, decode_record, make_record
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -91,7 +91,7 @@ async def server(small_ssd_dir: Path) -> AsyncIterator[StateStoreServer]:
         await srv.stop(0)
 
 
-def record(server: StateStoreServer, i: int, nbytes: int = RECORD_BYTES):
+def record(server: StateStoreServer, i: int, nbytes: int = RECORD_BYTES) -> Record:
     return make_record(1, 1, os.urandom(nbytes), model_fingerprint=server.adapter.model_fingerprint,
                        tenant_id=bytes(16), block_key=i.to_bytes(32, "big"), token_start=64 * i, token_end=64 * i + 64)
 

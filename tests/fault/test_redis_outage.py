@@ -76,8 +76,9 @@ class Load:
         while not self.stop.is_set():
             try:
                 if self.writes:
-                    mine = [make_record(1, 1, os.urandom(1024), model_fingerprint=self.shared[0].header.model_fingerprint,
-                                        tenant_id=bytes(16), block_key=os.urandom(32)) for _ in range(2)]
+                    model = self.shared[0].header.model_fingerprint
+                    mine = [make_record(1, 1, os.urandom(1024), model_fingerprint=model, tenant_id=bytes(16),
+                                        block_key=os.urandom(32)) for _ in range(2)]
                     await c.put_records(mine[:1], Durability.MEMORY)
                     await c.put_records(mine[1:], Durability.LOCAL)
                 got = await c.get_records([r.key for r in self.shared])

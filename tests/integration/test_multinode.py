@@ -338,7 +338,8 @@ async def test_checkpoint_of_object_layout_1_resumes_and_its_objects_are_deleted
         assert await manager.generate("t", "old", 6) == expected
         new = await manager.checkpoint("t", "old")  # layout 2; deletes v1's objects
         assert new.version == 2
-        assert (await manager._load_manifest("t", "old")).object_layout == ss.OBJECT_LAYOUT == 2  # type: ignore[union-attr]
+        current = await manager._load_manifest("t", "old")
+        assert current is not None and current.object_layout == ss.OBJECT_LAYOUT == 2
         assert all(store.meta(k) is None for k in old_keys)
     finally:
         await manager.aclose()
