@@ -211,30 +211,44 @@ class _Incoming:
             return
         try:
             if self.dest is None:
-                self.head += data
-                data = self._maybe_start()
-                if self.dest is None:
+                # The header and prefix are read in place from the first frame (the server puts
+                # them there); only a foreign split that cuts them goes through `head`.
+                if self.head:
+                    self.head += data
+                    data = memoryview(self.head)
+                start = self._maybe_start(memoryview(data))
+                if start is None:
+                    if not self.head:
+                        self.head = bytearray(data)
                     return
+                data = memoryview(data)[start:]
             end = self.offset + len(data)
+            assert self.dest is not None
             if end > len(self.dest):
                 raise RecordError(f"{end - len(self.dest)} bytes more than the chunk holds")
-            self.dest[self.offset:end] = data
+            self.dest[self.offset:end] = data  # the one copy: frame -> LMCache's buffer
             self.hasher.update(data)
             self.offset = end
         except (RecordError, ValueError, struct.error) as exc:
             self.fail(str(exc))
+        finally:
+            if self.dest is not None and self.head:
+                data = b""
+                self.head = bytearray()
 
-    def _maybe_start(self) -> memoryview:
-        if len(self.head) < HEADER_SIZE:
-            return memoryview(b"")
+    def _maybe_start(self, buf: memoryview) -> int | None:
+        """Where the chunk bytes begin in `buf` once header and prefix are complete (None: not yet);
+        then the buffer is allocated from LMCache's LocalCPUBackend."""
+        if len(buf) < HEADER_SIZE:
+            return None
         if self.header is None:
-            self.header, self.checksum = decode_header(memoryview(self.head)[:HEADER_SIZE])
+            self.header, self.checksum = decode_header(buf[:HEADER_SIZE])
             h = self.header
             if h.flags or h.kind != _KIND or h.model_fingerprint != self.connector.fingerprint:
                 raise RecordError("not an uncompressed LMCache chunk of this namespace")
-        parsed = unpack_prefix(memoryview(self.head)[HEADER_SIZE:])
+        parsed = unpack_prefix(buf[HEADER_SIZE:])
         if parsed is None:
-            return memoryview(b"")
+            return None
         prefix_len, key_string, meta_bytes = parsed
         if key_string != self.key_string:
             raise RecordError(f"record holds key {key_string!r}, asked for {self.key_string!r}")
@@ -251,10 +265,8 @@ class _Incoming:
             raise RecordError(f"LMCache allocated {len(dest)} bytes for a {data_len}-byte chunk")
         self.dest = dest
         start = HEADER_SIZE + prefix_len
-        self.hasher.update(memoryview(self.head)[HEADER_SIZE:start])
-        rest = memoryview(bytes(self.head[start:]))
-        self.head = bytearray()
-        return rest
+        self.hasher.update(buf[HEADER_SIZE:start])
+        return start
 
     def fail(self, why: str) -> None:
         if self.failed is None:
