@@ -218,6 +218,22 @@ if triton is not None:
         return mag | ((t < 0.0).to(tl.int32) << 3)
 
     @triton.jit
+    def _div_pow2(xb, byte):
+        """x / (s / 4) for [R, NB, BS] x and [R, NB] E8M0 bytes, by multiplying with the exact reciprocal.
+
+        s / 4 = 2**(byte - 129) is a power of two, so x * 2**(129 - byte) is the same real number
+        as the quotient and rounds to the same float (overflow, subnormals, signed zeros, NaN
+        and inf included): bit-identical to `div_rn`. byte = 1 (s = 2**-126, the floor) would
+        need 2**128, which float32 lacks: there x * 2 (exact: |x| <= 6 * 2**-126 in that block)
+        then * 2**127. byte = 255 (a NaN or inf in the block) -> NaN, as x / NaN is.
+        """
+        recip = ((256 - byte) << 23).to(tl.float32, bitcast=True)  # 2**(129 - byte), 2 <= byte <= 254
+        recip = tl.where(byte == 1, 1.7014118346046923e38, recip)  # 2**127
+        recip = tl.where(byte == 255, float("nan"), recip)
+        pre = tl.where(byte == 1, 2.0, 1.0)
+        return (xb * pre[:, :, None]) * recip[:, :, None]
+
+    @triton.jit
     def _quantize_v2_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
                             D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
         """2-D tiles: one contiguous [ROWS, D] load, NaN-propagating block max, cheaper encode."""
@@ -237,8 +253,11 @@ if triton is not None:
             vb = v.to(tl.int32, bitcast=True)
             byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
             byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
-            scale = _e8m0_decode(byte)
-        codes = _e2m1_codes_v2(tl.math.div_rn(xb, (scale * 0.25)[:, :, None]))
+        if E4M3:
+            t = tl.math.div_rn(xb, (scale * 0.25)[:, :, None])
+        else:
+            t = _div_pow2(xb, byte)
+        codes = _e2m1_codes_v2(t)
         lo, hi = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)
         hcols = tl.arange(0, D // 2)
@@ -286,9 +305,13 @@ if triton is not None:
 # values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); all
 # variants give the same bits (tests/gpu runs both). Defaults: the sweep's winner on the H200
 # (bench/results/gpu_report-cuda.json, 2026-11-29): v2 with 2,048 values and 2 warps a program
-# was fastest or within 2% for every op (v1 at 8,192/4 took 1.8-6x longer).
+# was fastest or within 2% for every op (v1 at 8,192/4 took 1.8-6x longer); a second sweep with
+# smaller programs (.probe run, same day) found 1,024 values a program faster: 1 warp for
+# quantize/dequantize (index dequantize 1.33 -> 1.08 ms), 2 for the gather.
 _OPS = ("quantize", "dequantize", "gather_dequantize")
-_CONFIG = {op: {"variant": "v2", "elems": 2048, "num_warps": 2} for op in _OPS}
+_CONFIG = {"quantize": {"variant": "v2", "elems": 1024, "num_warps": 1},
+           "dequantize": {"variant": "v2", "elems": 1024, "num_warps": 1},
+           "gather_dequantize": {"variant": "v2", "elems": 1024, "num_warps": 2}}
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,
