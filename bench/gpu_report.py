@@ -130,8 +130,8 @@ def ceilings() -> dict[str, float]:
 # ---------------------------------------------------------------------- figure 3a: codecs
 
 
-SWEEP = (("v1", 8192, 4), ("v1", 16384, 8), ("v2", 2048, 2), ("v2", 2048, 4), ("v2", 4096, 2), ("v2", 4096, 4),
-         ("v2", 4096, 8), ("v2", 8192, 8), ("v2", 16384, 8))
+SWEEP = (("v1", 8192, 4), ("v2", 512, 1), ("v2", 1024, 1), ("v2", 1024, 2), ("v2", 2048, 1), ("v2", 2048, 2),
+         ("v2", 2048, 4), ("v2", 4096, 2), ("v2", 4096, 4))  # v1/16384/8, v2/4096/8, 8192/8, 16384/8 lost every op on 2026-11-29
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -289,7 +289,7 @@ def import_chunk(engine: CEDEngine, hbm: HbmTier, state: Any, main_keys: Sequenc
 
 
 def load_and_import(engine: CEDEngine, hbm: HbmTier, host: PinnedHostTier, main_keys: Sequence[bytes],
-                    index_keys: Sequence[bytes], chunk_blocks: int = 64) -> Any:
+                    index_keys: Sequence[bytes], chunk_blocks: int = 256) -> Any:
     """Pipelined: the copies of chunk j+1 (pinned host pages -> HBM, on the tier's stream) are
     issued before chunk j is imported, so its dequantization overlaps the next copy."""
     state = engine.new_state()
@@ -736,7 +736,10 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"  {k}: {v}")
     print()
     print_floors(floors)
-    params = {"preset": "v41", "dtype": "bfloat16", "block": BLOCK, "lengths": list(lengths),
+    from engine_adapter.ced import indexer
+
+    params = {"preset": "v41", "dtype": "bfloat16", "block": BLOCK, "index_scores": indexer.INDEX_SCORES,
+              "index_tile": list(indexer.INDEX_TILE), "lengths": list(lengths),
               "prefill_chunk": PREFILL_CHUNK, "quick": args.quick, "ceilings": ceil, "gpu_versions": vers,
               "weights_GB": weight_bytes / 1e9, "build_s": build_s, "profile": profile,
               "not_done": ["CUDA graphs / torch.compile for decode or replay: not attempted; the profile shows "
