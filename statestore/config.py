@@ -15,6 +15,7 @@ TOML layout (every key optional)::
     [metrics]  port = 9464   addr = "127.0.0.1"                        # port 0 = no endpoint
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
+               secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
     [engine]   preset = "tiny"   seed = 0
     [sessions] block_size = 256   durability = "local"   default_mode = "bounded"   keep_rings_ttl_s = 0
     [quotas]   max_bytes = 0   max_sessions = 0                       # every tenant's default; 0 = unbounded
@@ -85,6 +86,7 @@ class ServiceConfig:
     ssd_budget_bytes: int = 0  # 0 = unbounded
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
+    secret_file: Path | None = None  # tenant key salts derive from it; None = <data_dir>/secret
     engine_preset: str = "tiny"
     engine_seed: int = 0
     block_size: int = 256
@@ -146,6 +148,11 @@ class ServiceConfig:
     def ssd_dir(self) -> Path:
         return self.data_dir / "ssd"
 
+    @property
+    def secret_path(self) -> Path:
+        """The service secret: nodes that resume each other's sessions must share this file."""
+        return self.secret_file or self.data_dir / "secret"
+
     def with_overrides(self, **changes: Any) -> ServiceConfig:
         """A copy with the given fields replaced (None values are ignored), validated."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -189,6 +196,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
+    ("storage", "secret_file"): "secret_file",
     ("engine", "preset"): "engine_preset",
     ("engine", "seed"): "engine_seed",
     ("sessions", "block_size"): "block_size",

@@ -818,7 +818,7 @@ class StateStoreServer:
     async def start(self) -> int:
         """Open everything and bind; on any failure, close what was opened (the SSD lock included)."""
         c = self.config
-        secret = await asyncio.to_thread(load_secret, c.data_dir / "secret")
+        secret = await asyncio.to_thread(load_secret, c.secret_path)
         self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
         self.models.add(self.adapter.model_fingerprint)
         self.store = await self._open_store()

@@ -12,6 +12,7 @@ import pytest
 
 from statestore.auth import AuthError, TokenAuth
 from statestore.config import ConfigError, ServiceConfig, default_data_dir, load_config
+from statestore.server import load_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,3 +98,15 @@ def test_generated_modules_do_not_shadow_the_statestore_package() -> None:
     assert Path(statestore.__file__).parent == ROOT / "statestore"
     assert statestore_pb2.DESCRIPTOR.package == "statestore.v1"
     assert [s.full_name for s in statestore_pb2.DESCRIPTOR.services_by_name.values()] == ["statestore.v1.StateStore"]
+
+
+def test_secret_file_defaults_to_the_data_dir_and_can_be_shared_between_nodes(tmp_path: Path) -> None:
+    """Nodes that resume each other's sessions must derive the same tenant salts: one secret file."""
+    shared = tmp_path / "shared-secret"
+    a = load_config(env={"STATESTORE_DATA_DIR": str(tmp_path / "a")})
+    assert a.secret_path == tmp_path / "a" / "secret"
+    b = load_config(env={"STATESTORE_DATA_DIR": str(tmp_path / "b"), "STATESTORE_STORAGE_SECRET_FILE": str(shared)})
+    c = load_config(env={"STATESTORE_DATA_DIR": str(tmp_path / "c"), "STATESTORE_STORAGE_SECRET_FILE": str(shared)})
+    assert b.secret_path == c.secret_path == shared
+    assert load_secret(b.secret_path) == load_secret(c.secret_path)
+    assert load_secret(a.secret_path) != load_secret(b.secret_path)
