@@ -71,6 +71,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 _OFFLOAD_BYTES = 16 << 20  # verify records this large off the event loop (smaller: ~1 ms)
 _CHUNK_HEADROOM = 4096  # message framing beside a data chunk
 _MAX_DETAILS = 2048  # error messages echo client input; clients refuse metadata over 16 KiB by default
+MAX_REGISTERED_MODELS = 1024  # fingerprints RegisterModel remembers: bounded, so callers cannot grow it forever
 T = TypeVar("T")
 
 
@@ -90,6 +91,10 @@ class _Denied(Exception):
     """PERMISSION_DENIED."""
 
 
+class _Exhausted(Exception):
+    """RESOURCE_EXHAUSTED for a server-side limit that is not a store budget or a quota."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status a failure maps to (None: unexpected, i.e. INTERNAL)."""
     table: list[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode]] = [
@@ -97,7 +102,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         ((_NotFound, ss.SessionNotFound), grpc.StatusCode.NOT_FOUND),
         (ss.SessionExists, grpc.StatusCode.ALREADY_EXISTS),
         ((ss.ModelMismatch, ss.CheckpointIncomplete, _Precondition), grpc.StatusCode.FAILED_PRECONDITION),
-        ((BudgetExceeded, QuotaExceeded), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ((BudgetExceeded, QuotaExceeded, _Exhausted), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # RecordError and _BadField included
     ]
     if isinstance(exc, DurabilityUnavailable):
@@ -372,6 +377,9 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if not isinstance(config, dict):
             raise _BadField("config_json: must be a JSON object")
         fingerprint = make_model_fingerprint(config, codecs, request.layout_version, request.weights_id or "unnamed")
+        if fingerprint not in self._owner.models and len(self._owner.models) >= MAX_REGISTERED_MODELS:
+            raise _Exhausted(f"this server already knows {MAX_REGISTERED_MODELS} model fingerprints "
+                             f"(MAX_REGISTERED_MODELS); restart it or reuse a registered model")
         self._owner.models.add(fingerprint)
         return statestore_pb2.RegisterModelResponse(model_fingerprint=fingerprint,
                                                     hosted=fingerprint == self._owner.adapter.model_fingerprint)

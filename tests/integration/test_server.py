@@ -160,6 +160,23 @@ async def test_register_model_then_its_records_are_accepted(alice: StateStoreCli
     assert fp2 == fp  # a fingerprint is a pure function of the description
 
 
+async def test_register_model_is_bounded(alice: StateStoreClient, server: StateStoreServer,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each new description adds a fingerprint the server remembers: the set has a cap."""
+    import statestore.server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_REGISTERED_MODELS", len(server.models) + 1)
+    specs = [{"kind": 1, "retention": 1, "codec": 1, "bytes_per_token": 100.0}]
+    first, _ = await alice.register_model(model_name="m", weights_id="w-0", config_json="{}", layout_version=1,
+                                          specs=specs)
+    with pytest.raises(ServiceError) as err:
+        await alice.register_model(model_name="m", weights_id="w-1", config_json="{}", layout_version=1, specs=specs)
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "MAX_REGISTERED_MODELS" in err.value.message
+    again, _ = await alice.register_model(model_name="m", weights_id="w-0", config_json="{}", layout_version=1,
+                                          specs=specs)
+    assert again == first  # a known description still registers
+
+
 async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:
     import socket
     import urllib.request
