@@ -3,9 +3,11 @@
 Why kernels: the torch codecs take ~10 elementwise passes (block amax, scale, divide, clamp,
 floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the input once
 and writes codes and scales once. On the H200 that is 24x (quantize) and 6-8x (dequantize)
-faster than the torch codecs on CUDA, but still arithmetic-bound short of copy speed: 41% of
-the copy bandwidth for quantize (a correctly rounded divide per value), 48-58% for dequantize
-(bench/results/gpu_report-cuda.json). Decode attention also needs
+faster than the torch codecs on CUDA, but still short of copy speed (bench/results/
+gpu_report-cuda.json, 2026-11-29 21:12): E4M3 quantize 41% of the copy bandwidth (a correctly
+rounded divide per value; arithmetic-bound), E8M0 quantize 53% (the divide by a power-of-two
+scale is an exact reciprocal multiply, `_div_pow2`), dequantize 59% (index) and 63% (main).
+Decode attention also needs
 only the top-k selected entries: `gather_dequantize_fp4` reads those packed rows (288 B) and
 writes bf16/fp32 rows, instead of keeping every entry dequantized and gathering from it.
 
