@@ -84,6 +84,9 @@ def make_lmcache_config(target: str, *, local_disk: str | None = None, remote: b
         extra = {f"remote_storage_plugin.{PLUGIN}.module_path": "statestore.integrations.lmcache",
                  f"remote_storage_plugin.{PLUGIN}.class_name": "StateStoreConnector",
                  f"remote_storage_plugin.{PLUGIN}.target": target}
+        # Generous lookup deadline: CI's 2 shared cores can stall a loopback call past the 0.5 s default,
+        # and a timed-out lookup is (by design) a miss plus a backoff.
+        plugin = {"lookup_timeout_s": 5.0, **plugin}
         extra.update({f"remote_storage_plugin.{PLUGIN}.{k}": v for k, v in plugin.items()})
         doc.update(remote_storage_plugins=[PLUGIN], extra_config=extra)
     if local_disk is not None:
