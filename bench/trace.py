@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ssd-gib", type=float, default=64.0, help="SSD budget of the runs with SSD (0: none)")
     ap.add_argument("--requests", type=int, default=None, help="use only the first N requests")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    ap.add_argument("--jobs", type=int, default=1, help="simulate cases in this many processes")
+    ap.add_argument("--jobs", type=int, default=2, help="simulate cases in this many processes")
     args = ap.parse_args(argv)
 
     trace = args.trace or default_trace_path()
@@ -458,7 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(note)
     print_floors(floors)
-    png = RESULTS_DIR / "trace_ttft.png"
+    # A --quick run (a subset) never overwrites the full run's results and plot.
+    png = RESULTS_DIR / ("trace_ttft_quick.png" if args.quick else "trace_ttft.png")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(rows, png, args.ssd_gib)
     params = {"trace": str(trace), "requests": len(requests), "quick": args.quick, "host_gib": list(host_budgets),
@@ -468,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "tiers": {t.value: {"latency_s": tp.latency_s, "bandwidth_bytes_per_s": tp.bandwidth_bytes_per_s}
                         for t, tp in profile.tier_profiles().items()},
               "notes": notes}
-    path = write_results("trace", device="cpu", params=params, rows=rows, floors=floors)
+    path = write_results("trace_quick" if args.quick else "trace", device="cpu", params=params, rows=rows,
+                         floors=floors)
     print(f"wrote {path} and {png}")
     return 0
 

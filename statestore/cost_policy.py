@@ -177,16 +177,18 @@ class CostAwarePolicy(PlacementPolicy):
         value = p * max(0.0, fallback - load)
         density = value / max(1, nbytes)
         return TierValue(tier.tier, p, horizon, load, fallback, nbytes, value, density,
-                         self._score(meta, density), tier.fill)
+                         self._score(meta, density, horizon), tier.fill)
 
-    def _tau(self, meta: StateMeta) -> float:
-        """Seconds of recency an e-fold of value per byte buys (fixed: see `score_tau_s`)."""
-        return self.config.score_tau_s
+    def _tau(self, horizon_s: float) -> float:
+        """Seconds of recency an e-fold of value per byte buys: the tier's turnover time, at most
+        `score_tau_s`. A small tier turns over in seconds, where a value difference must not
+        outweigh recency for long; a large one keeps what is worth more for longer."""
+        return min(self.config.score_tau_s, max(1.0, horizon_s))
 
-    def _score(self, meta: StateMeta, density: float) -> float:
+    def _score(self, meta: StateMeta, density: float, horizon_s: float) -> float:
         if meta.pinned:
             return PINNED_SCORE
-        tau = self._tau(meta)
+        tau = self._tau(horizon_s)
         log_ratio = math.log(density / D_REF) if density > 0 else -_LOG_CLAMP
         score = meta.last_access + tau * max(-_LOG_CLAMP, min(_LOG_CLAMP, log_ratio))
         if meta.hints is not None and meta.hints.ttl_s is not None:
@@ -223,27 +225,36 @@ class CostAwarePolicy(PlacementPolicy):
         if host is None or TIER_ORDER.index(TierName.HOST) >= TIER_ORDER.index(source):
             return frozenset()
         v = self.price(meta, host, tiers)
-        return frozenset({TierName.HOST}) if self._admits(v, host, meta.size_bytes, 0.0) else frozenset()
+        if not self._admits(v, host, meta.size_bytes, 0.0):
+            return frozenset()
+        self._add_inflow(meta)  # a promotion turns the host over like a put does
+        return frozenset({TierName.HOST})
 
     def _admits(self, v: TierValue, tier: TierCost, size_bytes: int, covered: float) -> bool:
-        """Admit where the copy's marginal value is positive, pays for an SSD write, and beats
-        the shadow price of a full tier (the score of what it has been evicting)."""
+        """Admit where the copy's value is positive, pays for an SSD write, and beats the shadow
+        price of a full tier (the score of what it has been evicting).
+
+        Below `admit_fill` a copy is priced on its own: the room is free and the faster copy's
+        stay is only an estimate (budget / inflow), so a copy that pays for its write goes in.
+        In a full tier only its marginal value over the faster copies counts.
+        """
         if not tier.healthy:
             return False
-        marginal = max(0.0, v.p_reuse - covered) * max(0.0, v.fallback_s - v.load_s)
+        full = tier.fill >= self.config.admit_fill
+        marginal = max(0.0, v.p_reuse - (covered if full else 0.0)) * max(0.0, v.fallback_s - v.load_s)
         if marginal <= 0:
             return False
         if tier.tier is TierName.SSD and marginal < self.config.ssd_write_weight * size_bytes / tier.bandwidth_bytes_per_s:
             return False
-        if tier.fill >= self.config.admit_fill and tier.tier in self._shadow:
+        if full and tier.tier in self._shadow:
             return v.score >= self._shadow[tier.tier]
         return True
 
     def eviction_score(self, meta: StateMeta, tier: TierCost) -> float:
         """The time-invariant score; remembered per copy so `decide_eviction` re-ranks cheaply."""
-        score = self.price(meta, tier).score
-        self._scores[meta.key, tier.tier] = (meta.last_access, score, self._tau(meta))
-        return score
+        v = self.price(meta, tier)
+        self._scores[meta.key, tier.tier] = (meta.last_access, v.score, self._tau(v.horizon_s))
+        return v.score
 
     def decide_eviction(self, candidates: Sequence[StateMeta], need_bytes: int, tier: TierCost) -> list[RecordKey]:
         """Lowest value per byte now first (idle time included); ties by score, i.e. LRU.
@@ -255,8 +266,8 @@ class CostAwarePolicy(PlacementPolicy):
         def now_value(m: StateMeta) -> tuple[float, float]:
             cached = self._scores.get((m.key, tier.tier))
             if cached is None or cached[0] != m.last_access:
-                score = self.price(m, tier).score
-                cached = (m.last_access, score, self._tau(m))
+                v = self.price(m, tier)
+                cached = (m.last_access, v.score, self._tau(v.horizon_s))
             _, score, tau = cached
             # score = t + tau ln(d / D_REF) with d decaying as exp(-idle / tau): the log of the
             # value per byte now, relative to D_REF, is (score - now) / tau.
@@ -269,6 +280,9 @@ class CostAwarePolicy(PlacementPolicy):
     def on_put(self, meta: StateMeta, tiers: frozenset[TierName]) -> None:
         self._see(meta)
         self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
+        self._add_inflow(meta)
+
+    def _add_inflow(self, meta: StateMeta) -> None:
         first, nbytes = self._inflow_total
         self._inflow_total = (first if nbytes else meta.last_access, nbytes + meta.size_bytes)
 

@@ -118,7 +118,9 @@ def test_swa_ring_is_held_while_a_resume_is_likely_then_dropped_for_replay() -> 
     p = policy()
     ring = meta(1, kind=RING, retention=Retention.REBUILDABLE, start=800, end=800,
                 hints=PutHints(expected_return_s=60.0), tiers=())
-    assert p.decide_put(ring, TIERS) == {HOST}  # held in RAM; not worth an SSD write
+    full_ssd = {HOST: HOST_COST, SSD: TierCost(SSD, 1e-4, 1e9, budget_bytes=1000 * SIZE, resident_bytes=950 * SIZE)}
+    assert p.decide_put(ring, full_ssd) == {HOST}  # RAM covers the return: a full SSD gains nothing
+    assert p.decide_put(ring, TIERS) == {HOST, SSD}  # an SSD with room takes any copy worth its write
     fresh = p.price(ring, HOST_COST, idle_s=0.0).value_s
     late = p.price(ring, HOST_COST, idle_s=3600.0).value_s
     assert fresh > 0 and late < fresh / 1000  # an hour late: replay is the better bet
