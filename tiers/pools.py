@@ -168,7 +168,9 @@ class PagePool:
         return ids
 
     def free(self, page_ids: Iterable[int]) -> None:
-        for pid in page_ids:
+        # Freed in reverse so `_take` (which pops the free list) hands them out ascending again:
+        # a reused run of pages stays one run.
+        for pid in reversed(list(page_ids)):
             sid, off = divmod(pid, self.pages_per_slab)
             slab = self._slabs[sid]
             if slab is None or not 0 <= off < slab.next_fresh or not slab.num_used:
@@ -243,20 +245,29 @@ class PagePool:
         assert slab is not None and slab.buf is not None
         return slab.buf, off * self.page_bytes
 
+    def _runs(self, page_ids: Iterable[int], length: int) -> list[tuple[mmap.mmap, int, int, int]]:
+        """(slab, offset in it, bytes, offset in the record) per run of consecutive pages of one
+        slab, so a large record is copied in a few slices instead of one per page."""
+        ids = list(page_ids)
+        runs, i = [], 0
+        while i < len(ids):
+            j, sid = i, ids[i] // self.pages_per_slab
+            while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1 and ids[j + 1] // self.pages_per_slab == sid:
+                j += 1
+            at_record = i * self.page_bytes
+            buf, at = self._locate(ids[i])
+            runs.append((buf, at, min((j - i + 1) * self.page_bytes, length - at_record), at_record))
+            i = j + 1
+        return runs
+
     def write(self, page_ids: Iterable[int], data: bytes | memoryview) -> None:
         src = memoryview(data)
-        for i, pid in enumerate(page_ids):
-            chunk = src[i * self.page_bytes:(i + 1) * self.page_bytes]
-            buf, at = self._locate(pid)
-            buf[at:at + len(chunk)] = chunk
+        for buf, at, nbytes, at_record in self._runs(page_ids, len(src)):
+            buf[at:at + nbytes] = src[at_record:at_record + nbytes]
 
     def read(self, page_ids: Iterable[int], length: int) -> bytes:
         """The bytes of a record's pages, copied once (views into the slabs, one join)."""
-        parts = []
-        for i, pid in enumerate(page_ids):
-            n = min(self.page_bytes, length - i * self.page_bytes)
-            buf, at = self._locate(pid)
-            parts.append(memoryview(buf)[at:at + n])
+        parts = [memoryview(buf)[at:at + nbytes] for buf, at, nbytes, _ in self._runs(page_ids, length)]
         try:
             return b"".join(parts)
         finally:
