@@ -338,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--force", action="store_true", help="evict pinned records too")
     _client_args(evict)
 
+    from statestore import calibrate as calibrate_module  # its measurements import torch lazily
+
+    calibrate = sub.add_parser("calibrate", help="measure engine and tier costs; write the profile the cost policy loads")
+    calibrate_module.add_arguments(calibrate)
+    calibrate.set_defaults(func=calibrate_module.run)
+
     resume = sub.add_parser("resume", help="resume a checkpointed session, optionally generate")
     resume.add_argument("session_id")
     resume.add_argument("--mode", default="", choices=["", "exact", "bounded", "off"])
