@@ -249,6 +249,8 @@ class PagePool:
         """(slab, offset in it, bytes, offset in the record) per run of consecutive pages of one
         slab, so a large record is copied in a few slices instead of one per page."""
         ids = list(page_ids)
+        if ids and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+            return self._contiguous_runs(ids[0], len(ids), length)
         runs, i = [], 0
         while i < len(ids):
             j, sid = i, ids[i] // self.pages_per_slab
@@ -258,6 +260,17 @@ class PagePool:
             buf, at = self._locate(ids[i])
             runs.append((buf, at, min((j - i + 1) * self.page_bytes, length - at_record), at_record))
             i = j + 1
+        return runs
+
+    def _contiguous_runs(self, first: int, count: int, length: int) -> list[tuple[mmap.mmap, int, int, int]]:
+        """`_runs` of pages first .. first + count - 1 (the common case): one run per slab crossed."""
+        runs, pid, at_record = [], first, 0
+        while pid < first + count:
+            in_slab = min(first + count, (pid // self.pages_per_slab + 1) * self.pages_per_slab) - pid
+            buf, at = self._locate(pid)
+            runs.append((buf, at, min(in_slab * self.page_bytes, length - at_record), at_record))
+            pid += in_slab
+            at_record += in_slab * self.page_bytes
         return runs
 
     def write(self, page_ids: Iterable[int], data: bytes | memoryview) -> None:
