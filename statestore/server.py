@@ -43,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_adapter.base import Retention, StateKind
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
 from replay import plan_replay
+from statestore.allocator import keep_large_buffers_in_heap
 from statestore import sessions as ss
 from statestore.auth import AuthError, TokenAuth
 from statestore.config import ServiceConfig
@@ -826,6 +827,7 @@ class StateStoreServer:
     async def start(self) -> int:
         """Open everything and bind; on any failure, close what was opened (the SSD lock included)."""
         c = self.config
+        keep_large_buffers_in_heap()  # see statestore/allocator.py: record buffers without page faults
         secret = await asyncio.to_thread(load_secret, c.secret_path)
         self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
         self.models.add(self.adapter.model_fingerprint)
