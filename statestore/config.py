@@ -16,6 +16,8 @@ TOML layout (every key optional)::
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
+               policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
+               profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
     [engine]   preset = "tiny"   seed = 0
     [sessions] block_size = 256   durability = "local"   default_mode = "bounded"   keep_rings_ttl_s = 0
     [quotas]   max_bytes = 0   max_sessions = 0                       # every tenant's default; 0 = unbounded
@@ -39,6 +41,7 @@ from typing import Any
 ENGINE_PRESETS = ("mini", "tiny")
 DURABILITIES = ("memory", "local", "shared")
 REPLAY_MODES = ("exact", "bounded", "off")
+POLICIES = ("lru", "cost")
 DEFAULT_PORT = 7450
 QUOTA_NAMES = ("max_bytes", "max_sessions")
 
@@ -87,6 +90,8 @@ class ServiceConfig:
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
     secret_file: Path | None = None  # tenant key salts derive from it; None = <data_dir>/secret
+    policy: str = "lru"  # placement/eviction policy: "lru" or "cost" (needs a calibration profile)
+    profile: Path | None = None  # the cost profile "cost" loads; None = statestore calibrate's default path
     engine_preset: str = "tiny"
     engine_seed: int = 0
     block_size: int = 256
@@ -117,6 +122,7 @@ class ServiceConfig:
         _check(self.ssd_budget_bytes >= 0, "storage.ssd_budget_bytes", f"{self.ssd_budget_bytes} < 0")
         _check(self.redis_url == "" or self.redis_url.startswith(("redis://", "rediss://", "redis+cluster://")),
                "storage.redis_url", f"{self.redis_url!r} is not a redis:// URL")
+        _check(self.policy in POLICIES, "storage.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
         _check(self.engine_preset in ENGINE_PRESETS, "engine.preset",
                f"{self.engine_preset!r} is not one of {', '.join(ENGINE_PRESETS)}")
         _check(self.block_size > 0, "sessions.block_size", f"{self.block_size} <= 0")
@@ -197,6 +203,8 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
     ("storage", "secret_file"): "secret_file",
+    ("storage", "policy"): "policy",
+    ("storage", "profile"): "profile",
     ("engine", "preset"): "engine_preset",
     ("engine", "seed"): "engine_seed",
     ("sessions", "block_size"): "block_size",

@@ -803,6 +803,15 @@ class StateStoreServer:
 
         c = self.config
         specs = self.adapter.state_specs()
+        retention = {int(s.kind): s.retention for s in specs}
+        policy, store_config = None, StoreConfig(retention_by_kind=retention)
+        if c.policy == "cost":  # before any tier opens: a missing profile leaves nothing locked
+            from statestore.cost_policy import CostAwarePolicy
+            from statestore.profile import CostProfile
+
+            profile = await asyncio.to_thread(CostProfile.load, c.profile)
+            policy = CostAwarePolicy(profile)  # its measured tier costs price loads for the store too
+            store_config = StoreConfig(retention_by_kind=retention, tier_profiles=profile.tier_profiles())
         host = HostTier(c.host_budget_bytes, make_page_sizes(specs, c.block_size))
         ssd = await SSDTier.create(c.ssd_dir, budget_bytes=c.ssd_budget_bytes)
         redis = None
@@ -810,8 +819,7 @@ class StateStoreServer:
             from tiers.redis import RedisTier
 
             redis = RedisTier(c.redis_url, prefix=c.redis_prefix)
-        retention = {int(s.kind): s.retention for s in specs}
-        store = TieredStore(host=host, ssd=ssd, redis=redis, config=StoreConfig(retention_by_kind=retention))
+        store = TieredStore(host=host, ssd=ssd, redis=redis, policy=policy, config=store_config)
         report = await store.open()
         # SSDTier.create scanned the directory already and cleaned up what it discarded, so the
         # store's re-scan cannot see it: the first scan's discards are what the start found.

@@ -110,3 +110,28 @@ def test_secret_file_defaults_to_the_data_dir_and_can_be_shared_between_nodes(tm
     assert b.secret_path == c.secret_path == shared
     assert load_secret(b.secret_path) == load_secret(c.secret_path)
     assert load_secret(a.secret_path) != load_secret(b.secret_path)
+
+
+async def test_cost_policy_runs_in_the_service_from_a_calibration_profile(tmp_path: Path) -> None:
+    """`storage.policy = "cost"` loads the profile; Inspect then shows the cost policy's reasoning."""
+    from statestore.client import StateStoreClient
+    from statestore.profile import CostProfile, ProfileError
+    from statestore.server import StateStoreServer
+    from tiers.record import make_record
+
+    missing = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path / "a", engine_preset="mini", policy="cost",
+                            profile=tmp_path / "nope.json")
+    with pytest.raises(ProfileError, match="statestore calibrate"):
+        await StateStoreServer(missing).start()
+    profile = CostProfile.v41_h200().save(tmp_path / "profile.json")
+    config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path / "a", engine_preset="mini", policy="cost",
+                           profile=profile)
+    async with StateStoreServer(config) as srv:  # the failed start above left no SSD lock behind
+        async with StateStoreClient(f"127.0.0.1:{srv.port}") as client:
+            record = make_record(1, 1, b"x" * 4096, model_fingerprint=srv.adapter.model_fingerprint,
+                                 tenant_id=bytes(16), block_key=bytes(range(32)), token_end=256)
+            await client.put_records([record])
+            explained = (await client.inspect(record.key)).explain
+    assert explained is not None and explained["policy"]["policy"] == "cost"
+    assert explained["policy"]["retention"] == "MUST_KEEP" and explained["policy"]["rebuild_s"] > 0
+    assert "rebuild" in explained["policy"]["summary"] and "P(reuse" in explained["policy"]["summary"]
