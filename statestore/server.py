@@ -820,14 +820,8 @@ class StateStoreServer:
 
             redis = RedisTier(c.redis_url, prefix=c.redis_prefix)
         store = TieredStore(host=host, ssd=ssd, redis=redis, policy=policy, config=store_config)
-        report = await store.open()
-        # SSDTier.create scanned the directory already and cleaned up what it discarded, so the
-        # store's re-scan cannot see it: the first scan's discards are what the start found.
-        discarded = {tier: list(reasons) for tier, reasons in report.discarded.items()}
-        first = list(ssd.last_scan.discarded) if ssd.last_scan is not None else []
-        discarded[TierName.SSD] = first + [r for r in discarded.get(TierName.SSD, []) if r not in first]
-        self.open_report = OpenReport(dict(report.indexed), discarded)
-        for tier, reasons in discarded.items():
+        self.open_report = report = await store.open()  # the SSD's open-time scan, not a second walk
+        for tier, reasons in report.discarded.items():
             for reason in reasons:
                 logger.warning("%s scan discarded %s", tier.value, reason)
         return store

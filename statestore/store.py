@@ -268,7 +268,7 @@ class TieredStore:
         indexed: dict[TierName, int] = {}
         discarded: dict[TierName, list[str]] = {}
         for name in self._local_tiers():
-            result = await self._tiers[name].scan()
+            result = await self._tiers[name].reindex()
             for header in sorted(result.headers, key=lambda h: h.created_at_ns):
                 self._index_scanned(header, name)
             indexed[name], discarded[name] = len(result.headers), list(result.discarded)

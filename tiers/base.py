@@ -101,6 +101,12 @@ class Tier(abc.ABC):
     async def scan(self) -> ScanResult:
         """Walk the medium and return the headers of every valid record (re-indexing)."""
 
+    async def reindex(self) -> ScanResult:
+        """What a store indexing this tier needs: every valid record's header and what was
+        discarded. A tier that already walked its medium when it opened answers from that
+        walk instead of walking again (start-up would otherwise scan twice)."""
+        return await self.scan()
+
     async def prefix_hits(self, keys: Sequence[RecordKey]) -> int:
         """Number of consecutive keys present from the start (longest stored prefix)."""
         hits = 0

@@ -169,12 +169,14 @@ class _ScanGate:
         self._cond = asyncio.Condition()
         self._active = 0
         self._scanning = False
+        self.mutations = 0  # mutations begun: tells whether the index is still what a scan built
 
     @contextlib.asynccontextmanager
     async def mutation(self) -> AsyncIterator[None]:
         if self._scanning:
             async with self._cond:
                 await self._cond.wait_for(lambda: not self._scanning)
+        self.mutations += 1
         self._active += 1
         try:
             yield
@@ -387,6 +389,7 @@ class SSDTier(Tier):
         self._executor: ThreadPoolExecutor | None = None
         self._dir_sync: ThreadPoolExecutor | None = None  # directory fsyncs of large new records
         self.last_scan: ScanResult | None = None
+        self._scan_mark: int | None = None  # gate.mutations when open()'s scan finished; None once reported
 
     # ----- life cycle -------------------------------------------------------------------
 
@@ -411,6 +414,7 @@ class SSDTier(Tier):
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
+        self._scan_mark = self._gate.mutations
         return self.last_scan
 
     def _run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -710,6 +714,17 @@ class SSDTier(Tier):
                 return await fn(item)
 
         return list(await asyncio.gather(*(one(i) for i in items)))
+
+    async def reindex(self) -> ScanResult:
+        """The first call after `open()`, while nothing has changed the directory since,
+        answers from open's scan (the index it built and what it discarded) instead of walking
+        the disk a second time; otherwise it scans."""
+        mark, self._scan_mark = self._scan_mark, None
+        async with self._gate.exclusive():
+            if mark is not None and mark == self._gate.mutations and self.last_scan is not None:
+                headers = [entry.header for entry in self._index.values()]
+                return ScanResult(headers, list(self.last_scan.discarded))
+        return await self.scan()
 
     async def scan(self) -> ScanResult:
         """Rebuild the index from the record headers on disk; clean up what is not a record."""

@@ -185,6 +185,31 @@ async def test_foreign_and_misplaced_files_are_quarantined(tier: SSDTier) -> Non
         await tier.aclose()
 
 
+async def test_reindex_right_after_open_answers_from_opens_scan_without_a_second_walk(tier: SSDTier) -> None:
+    """A store indexing a freshly opened tier gets open's scan (headers and discards); after
+    that, or once anything changed, reindex walks the disk again."""
+    kept, gone = rec(1), rec(2)
+    await tier.put(kept)
+    await tier.put(gone)
+    leftover = record_path(tier._layout.root, kept).with_name(rec(9).key.hex() + ".rec.x7.tmp")
+    leftover.write_bytes(b"half a record")
+    tier = await reopen(tier)
+    try:
+        assert len(tier.last_scan.discarded) == 1
+        record_path(tier._layout.root, gone).unlink()  # behind the tier's back: only a walk sees it
+        first = await tier.reindex()
+        assert sorted(h.key for h in first.headers) == sorted([kept.key, gone.key])  # no walk
+        assert first.discarded == tier.last_scan.discarded  # open's discards, reported to the store
+        second = await tier.reindex()
+        assert [h.key for h in second.headers] == [kept.key] and second.discarded == []  # walked
+        fresh = await reopen(tier)
+        tier = fresh
+        await tier.put(rec(3))  # a change since open: the snapshot is no longer what a walk would give
+        assert sorted(h.key for h in (await tier.reindex()).headers) == sorted([kept.key, rec(3).key])
+    finally:
+        await tier.aclose()
+
+
 async def test_leftover_temp_files_are_removed_at_scan(tier: SSDTier) -> None:
     record = rec(1)
     await tier.put(record)
