@@ -53,7 +53,7 @@ from statestore.store import TieredStore, make_page_sizes
 from statestore.types import Durability
 from tiers.hbm import HbmTier, PinnedHostTier, plan_slots
 from tiers.host import HostTier
-from tiers.record import Record, split_record_key
+from tiers.record import split_record_key
 from tiers.ssd import SSDTier
 
 BLOCK = 256

@@ -49,7 +49,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from pathlib import Path
 
 from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header

@@ -9,7 +9,7 @@ never see a tier's trouble as an error.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiers.record import Record, RecordHeader, RecordKey
