@@ -25,12 +25,11 @@ import grpc
 
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
 from statestore.types import Durability
-from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
+from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
 from tiers.record import TENANT_BYTES, Record
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
-_OFFLOAD_BYTES = 16 << 20  # verify records this large off the event loop
 T = TypeVar("T")
 
 
@@ -343,7 +342,7 @@ class StateStoreClient:
                 chunk = common_pb2.RecordChunk.FromString(frame)
                 if chunk.WhichOneof("part") == "start":
                     if pending is not None:
-                        out.append(await _decode(parts, pending[0], pending[1]))
+                        out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0]))
                     pending, parts = None, []
                     if chunk.start.found:
                         pending = (bytes(chunk.start.key), chunk.start.total_bytes)
@@ -354,7 +353,7 @@ class StateStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
         if pending is not None:
-            out.append(await _decode(parts, pending[0], pending[1]))
+            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0]))
         return out
 
     async def pin(self, keys: Sequence[bytes]) -> int:
@@ -450,12 +449,6 @@ def _name(method: Any) -> str:
 
 def _serialize_chunk(message: bytes | common_pb2.RecordChunk) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-async def _decode(parts: list[bytes | memoryview], key: bytes, total_bytes: int) -> Record:
-    if total_bytes >= _OFFLOAD_BYTES:
-        return await asyncio.to_thread(join_parts, parts, expect_key=key)
-    return join_parts(parts, expect_key=key)
 
 
 # ----- the sync wrapper ------------------------------------------------------------------------

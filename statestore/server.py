@@ -51,7 +51,7 @@ from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.metrics import ServiceMetrics, kind_name
 from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
-from statestore.wire import encoded_size, join_parts, record_frames, split_data_frame
+from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
 from tiers.record import (
     HEADER_SIZE,
@@ -69,7 +69,6 @@ MAX_KEYS = 65536
 MAX_GET_KEYS = 4096
 MAX_APPEND_TOKENS = 1 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
-_OFFLOAD_BYTES = 16 << 20  # verify records this large off the event loop (smaller: ~1 ms)
 _CHUNK_HEADROOM = 4096  # message framing beside a data chunk
 _MAX_DETAILS = 2048  # error messages echo client input; clients refuse metadata over 16 KiB by default
 MAX_REGISTERED_MODELS = 1024  # fingerprints RegisterModel remembers: bounded, so callers cannot grow it forever
@@ -473,10 +472,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         """Checksums, key, kind, model and tenant of one record; re-stamped with the caller's tenant."""
         _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
         try:
-            if start.total_bytes >= _OFFLOAD_BYTES:
-                record = await asyncio.to_thread(join_parts, parts, expect_key=start.key)
-            else:
-                record = join_parts(parts, expect_key=start.key)
+            record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key)
         except RecordError as exc:
             raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
         h = record.header
