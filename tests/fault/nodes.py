@@ -150,29 +150,6 @@ def node_set(base: Path) -> Iterator[NodeSet]:
         nodes.close()
 
 
-def _threads_stopped(pid: int) -> bool:
-    """Every thread is stopped (T), or in a system call that ends in the stop (D)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return bool(states) and all(s in ("T", "t", "D") for s in states)
-
-
-def freeze(pid: int) -> None:
-    """SIGSTOP `pid` and wait until all its threads are stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 2
-    while not _threads_stopped(pid) and time.monotonic() < deadline:
-        time.sleep(0.0005)
-
-
-def thaw(pid: int) -> None:
-    os.kill(pid, signal.SIGCONT)
-
-
 class RedisServer:
     """A private redis-server for fixtures wider than one test (tests/conftest.py's
     `redis_process_factory` is per test): own port, own directory, optional AOF."""

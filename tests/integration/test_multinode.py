@@ -35,7 +35,8 @@ from redis.crc import key_slot
 from statestore.client import ServiceError, StateStoreClient, SyncStateStoreClient
 from statestore.sessions import MANIFEST_KIND, Manifest
 from statestore.types import Durability
-from tests.fault.nodes import BLOCK_SIZE, Node, NodeSet, RedisServer, freeze, node_set, start_all, thaw
+from tests.fault.nodes import BLOCK_SIZE, Node, NodeSet, RedisServer, node_set, start_all
+from tests.proc import freeze, thaw
 from tiers.record import decode_record, make_record_key
 
 pytestmark = [pytest.mark.redis, pytest.mark.subprocess, pytest.mark.timeout(90)]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.proc import freeze, thaw
 from engine_adapter.ced import CEDEngine, mini
 from engine_adapter.ced.adapter import CEDAdapter
 from statestore.sessions import SessionConfig, SessionInfo, SessionManager
@@ -53,31 +54,17 @@ class Killed:
     temps: list[str]  # temp files of puts in flight at the kill
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    """Every thread is stopped (T), or in a system call that ends in the stop (D)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return bool(states) and all(s in ("T", "t", "D") for s in states)
-
-
 def _kill_when_a_put_is_in_flight(pid: int, root: Path, skip: int, attempts: int = 2000) -> list[str]:
     """SIGSTOP the child until a temp file shows a put in flight (the `skip`+1-th time), then SIGKILL."""
     for _ in range(attempts):
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 2
-        while not _all_threads_stopped(pid) and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        freeze(pid)
         temps = sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
         if temps:
             if skip == 0:
                 os.kill(pid, signal.SIGKILL)
                 return temps
             skip -= 1
-        os.kill(pid, signal.SIGCONT)
+        thaw(pid)
         time.sleep(0.001)
     raise AssertionError("never caught the child with a checkpoint put in flight")
 

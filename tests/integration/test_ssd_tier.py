@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc import freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, make_record
 from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
@@ -394,26 +395,12 @@ def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> list[str]:
     files seen then (`_torn_files`), or [] if no attempt caught one.
     """
     for _ in range(attempts):
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while not _all_threads_stopped(pid) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if _all_threads_stopped(pid) and (torn := _torn_files(root, headers_only=True)):
+        stopped = freeze(pid, timeout_s=5, poll_s=0.001, allow_disk_wait=False)
+        if stopped and (torn := _torn_files(root, headers_only=True)):
             return torn
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.002)
     return []
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    """Every thread stopped (T/t), none still finishing a system call (D)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return bool(states) and all(s in "tT" for s in states)
 
 
 def _torn_files(root: Path, *, headers_only: bool = False) -> list[str]:
