@@ -1,17 +1,41 @@
 """Blocking file-system primitives of the SSD tier; every function here runs in a worker thread.
 
 The SSD tier (`tiers/ssd.py`) keeps the bookkeeping on the event loop and hands each whole
-disk operation (encode + write + fdatasync + directory fsync, or open + read + verify) to
-one call on its own thread pool, so an operation costs one thread hop and the loop never
-waits on the disk. Nothing here knows about the index or the budget. Paths are `str` or
-`Path`; the tier passes `str` (building `Path` objects costs more than some syscalls here).
+disk operation (encode + write + fdatasync + rename, or open + read + verify) to one call
+on its own thread pool, so an operation costs one thread hop and the loop never waits on
+the disk. Nothing here knows about the index or the budget. Paths are `str` or `Path`; the
+tier passes `str` (building `Path` objects costs more than some syscalls here).
 
-Two durable write protocols; the tier acknowledges a put only after one has returned.
+Three durable write protocols; the tier acknowledges a put only after one has returned.
 
-New key (`write_new`), one journal commit for the data plus the directory fsync::
+New key, through a spare (`write_spare`), one journal commit and no directory fsync::
 
-    1. open  <dir>/<name>         O_CREAT|O_EXCL (O_DIRECT for large records, see below)
-    2. write all bytes            (short writes are continued, never ignored)
+    0. (ahead of time, in batches) create empty spare files, fsync their directory once
+       (`make_spares`): each spare's name is durable before any put claims it
+    1. open  spares/<spare>         O_WRONLY (O_DIRECT for large records, see below)
+    2. write all bytes              (short writes are continued, never ignored)
+    3. fdatasync(spare)             the bytes and the file size are on the device: the
+                                    record is durable under the spare's (durable) name
+    4. rename(spare, <dir>/<name>)  atomic; not fsynced: the record is durable under one
+                                    of its two names, and the scan moves a record it finds
+                                    under a spare name to its own name
+
+This deviates from "write to temp, fsync, rename, fsync the directory" (DESIGN section 4) on
+purpose: the temp file is a spare whose name was made durable before the put, so the put
+needs no directory fsync of its own. A directory fsync after a file's fdatasync costs a
+device cache flush of its own (ext4 sends one even when the journal has nothing left to
+commit): on the development VM that flush made 256 KiB puts ~1.3-1.9x slower
+(bench/tiers.py, `vs_dirsync`). What the deviation relies on is what every temp + rename
+protocol relies on: a rename is atomic across a crash (ext4, XFS, btrfs journal it as one
+operation), so the record is found under the spare name or the final one, never neither.
+A crash before step 3 returns leaves a spare that is empty (a spare again) or torn (the
+scan quarantines it); it never replaced anything: a torn record is never served.
+
+New key without a spare (`write_new`: the pool is empty, or disabled), the data commit
+plus the directory fsync::
+
+    1. open  <dir>/<name>         O_CREAT|O_EXCL (O_DIRECT as above)
+    2. write all bytes
     3. fdatasync(file)            the bytes and the file size are on the device
     4. fsync(dir)                 the new name is on the device
 
@@ -35,7 +59,7 @@ removes; it never leaves a half-written file under a record's name.
 Why step 4 of `write_new` stays although ext4 commits the new directory entry in the same
 journal transaction as the file's fdatasync: POSIX (and fsync(2) on Linux) only promise
 the name after an fsync of the directory, and other file systems (ext4 without a journal,
-ext2, vfat) do not give more. bench/tiers.py measures what it costs (`vs_nodirsync`).
+ext2, vfat) do not give more. That is what the spares buy back, without the assumption.
 """
 
 from __future__ import annotations
@@ -138,6 +162,40 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int) -> None:
         os.ftruncate(fd, total)
 
 
+def make_spares(directory: str | Path, names: Sequence[str]) -> list[str]:
+    """Step 0 of the spare protocol: create each empty file (O_CREAT|O_EXCL), then fsync
+    `directory` once, so that every name is durable. Returns the paths made; stops at the
+    first error after syncing what it made (ENOSPC: fewer spares, the caller falls back)."""
+    made: list[str] = []
+    try:
+        for name in names:
+            path = f"{directory}/{name}"
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            made.append(path)
+    finally:
+        if made:
+            fsync_dir(Path(directory))
+    return made
+
+
+def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool) -> None:
+    """Steps 1-4 of the spare protocol (module docstring): the record is durable once this
+    returns. On any error the spare is removed (it may hold part of a record) and the error
+    re-raised: the caller sees either a durable record under `final` or nothing."""
+    total = sum(len(c) for c in chunks)
+    try:
+        fd, direct = _open(spare, direct, os.O_WRONLY)
+        try:
+            _write(fd, chunks, total, direct)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(spare, final)
+    except BaseException:
+        remove_quietly(spare)
+        raise
+
+
 def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool,
               dir_sync: Executor | None = None) -> bool:
     """Steps 1-4 of the new-key protocol (module docstring). False, with nothing written,
@@ -208,15 +266,20 @@ def _create_and_write(path: str | Path, chunks: Sequence[Chunk], total: int, dir
 
 
 def _create(path: str | Path, direct: bool) -> tuple[int, bool]:
-    """O_CREAT|O_EXCL, with O_DIRECT where asked and the file system allows it (tmpfs and
-    some overlays refuse it: buffered then). Returns the fd and whether it is O_DIRECT."""
+    """O_CREAT|O_EXCL, with O_DIRECT where asked and allowed (see `_open`)."""
+    return _open(path, direct, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+
+def _open(path: str | Path, direct: bool, flags: int) -> tuple[int, bool]:
+    """`flags`, with O_DIRECT where asked and the file system allows it (tmpfs and some
+    overlays refuse it: buffered then). Returns the fd and whether it is O_DIRECT."""
     if direct:
         try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644), True
+            return os.open(path, flags | os.O_CLOEXEC | os.O_DIRECT, 0o644), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), False
+    return os.open(path, flags | os.O_CLOEXEC, 0o644), False
 
 
 def _write(fd: int, chunks: Sequence[Chunk], total: int, direct: bool) -> None:

@@ -7,18 +7,31 @@ not from its leading kind code, which would put everything under `00/01`)::
     root/
       .lock                        flock: one SSDTier per directory at a time
       quarantine/                  torn/corrupt/foreign files, moved aside with their name
+      spares/<tag><n>.spare        empty files whose names are already durable (the spare pool)
       ab/cd/<68 hex>.rec           record key = 2-byte kind + 32-byte block key ab cd ...
       ab/cd/<68 hex>.rec.<tag>.tmp a put replacing a record; a leftover after a crash, removed at scan
 
-Durability: `put` returns True only after the file's fdatasync and the directory's fsync
-(`tiers._fs`): a key the index does not hold is written in place under its final name
-(`write_new`: one journal commit fewer than a rename), a key it holds goes through a temp
-file and a rename (`write_durable`), so an acknowledged version is never torn. An
-acknowledged put survives `kill -9` and power loss. A crash in the middle of a new key's
-write can leave a torn file under its name, never acknowledged: the scan (size or header
-check) or the first `get` (payload checksum) quarantines it, and it is never served. The
-index (key -> header, file size) lives in memory; `scan()` rebuilds it from the record
-headers (headers only; payload checksums are verified lazily by `get`).
+Durability: `put` returns True only once the record is durable (`tiers._fs` has the three
+protocols and why). A key the index does not hold claims a spare: the record is written
+into it, fdatasynced (acknowledged from here: the spare's name was durable before the
+put) and renamed to its final name, with no directory fsync on the put's path. The pool
+is refilled in the background, in batches with one directory fsync each; when it is empty
+(or `spare_files=0`) a new key is written in place under its final name and its directory
+fsynced (`write_new`). A key the index holds goes through a temp file, a rename and a
+directory fsync (`write_durable`), so an acknowledged version is never torn. An
+acknowledged put survives `kill -9` and power loss. This deviates from DESIGN section 4's
+"write to temp, fsync, rename" only in when the temp file's name is made durable (before
+the put instead of after it: a directory fsync costs a device cache flush, ~1.3-1.9x the
+time of a 64-256 KiB put on the development VM); `tiers._fs` says what it relies on.
+
+A crash in the middle of a new key's write can leave a torn spare (or a torn file under
+the key's name, on the fallback path), never acknowledged: the scan (size or header check)
+or the first `get` (payload checksum) quarantines it, and it is never served. A spare
+holding a whole record is a put whose rename did not reach the disk: the scan renames it
+to its final name and indexes it. The index (key -> header, file size) lives in memory;
+`scan()` rebuilds it from the record headers (headers only; payload checksums are
+verified lazily by `get`). Spares hold no data blocks; they are not records and count
+0 bytes in `usage()` (`spare_files` says how many there are).
 
 Every disk operation is one call on the tier's own thread pool (`max_concurrency` threads,
 long-lived, so their aligned I/O buffers are mapped once): encode + write + syncs for a put,
@@ -31,6 +44,7 @@ writing nothing; the store decides what to delete to make room.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -75,6 +89,8 @@ T = TypeVar("T")
 RECORD_SUFFIX = ".rec"
 TEMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
+SPARES_DIR = "spares"
+SPARE_SUFFIX = ".spare"
 LOCK_FILE = ".lock"
 # Records at least this large are written and read with O_DIRECT (aligned buffer): on the
 # development machine (ext4 on virtio) one device I/O per record beat buffered I/O from
@@ -87,6 +103,9 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
+# Spare files kept ready for new keys; the pool is refilled (one directory fsync per batch)
+# once half of it is claimed, so a burst of this many new keys never waits for a refill.
+DEFAULT_SPARE_FILES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +129,10 @@ class SSDLayout:
     @property
     def quarantine_dir(self) -> Path:
         return self.root / QUARANTINE_DIR
+
+    @property
+    def spares_dir(self) -> Path:
+        return self.root / SPARES_DIR
 
     @staticmethod
     def key_from_name(name: str) -> RecordKey | None:
@@ -172,11 +195,13 @@ class _ScanGate:
         self.mutations = 0  # mutations begun: tells whether the index is still what a scan built
 
     @contextlib.asynccontextmanager
-    async def mutation(self) -> AsyncIterator[None]:
+    async def mutation(self, *, changes_index: bool = True) -> AsyncIterator[None]:
+        """`changes_index=False`: excludes a scan but leaves the index as a scan built it
+        (a spare refill)."""
         if self._scanning:
             async with self._cond:
                 await self._cond.wait_for(lambda: not self._scanning)
-        self.mutations += 1
+        self.mutations += changes_index
         self._active += 1
         try:
             yield
@@ -217,6 +242,21 @@ class _KeyLocks:
             slot[1] -= 1
             if not slot[1]:
                 del self._locks[key]
+
+
+@dataclass(slots=True)
+class _SparePool:
+    """Spare files (paths) whose names are durable, claimed by new keys' puts on the loop."""
+
+    target: int
+    ready: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
+    refilling: bool = False
+
+    def claim(self) -> str | None:
+        return self.ready.popleft() if self.ready else None
+
+    def wants_refill(self) -> bool:
+        return self.target > 0 and not self.refilling and len(self.ready) <= self.target // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,13 +309,64 @@ def _list_root(root: Path) -> tuple[list[str], list[str]]:
     tops, discarded = [], []
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.name in (QUARANTINE_DIR, LOCK_FILE):
+            if entry.name in (QUARANTINE_DIR, SPARES_DIR, LOCK_FILE):
                 continue
             if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
                 tops.append(entry.name)
             else:
                 discarded.append(f"{entry.name}: unexpected entry (left alone)")
     return sorted(tops), sorted(discarded)
+
+
+@dataclass(slots=True)
+class _SpareScan:
+    ready: list[str] = dataclasses.field(default_factory=list)  # empty spares (paths)
+    recovered: list[str] = dataclasses.field(default_factory=list)  # records moved to their names
+    discarded: list[str] = dataclasses.field(default_factory=list)
+
+
+def _scan_spares(layout: SSDLayout) -> _SpareScan:
+    """Worker thread, before the fan-out walk: an empty spare is a spare; one holding a whole
+    record is an acknowledged (or finished) put whose rename did not reach the disk, renamed
+    to its final name now; anything else is torn (quarantined). Ends with one fsync of the
+    spares directory, so the names of the spares it hands back are durable."""
+    out = _SpareScan()
+    spares = layout.spares_dir
+    spares.mkdir(exist_ok=True)
+    moved_into: set[Path] = set()
+    with os.scandir(spares) as entries:
+        names = sorted(e.name for e in entries)
+    for name in names:
+        path = spares / name
+        problem = _scan_spare(layout, path, out, moved_into)
+        if problem:
+            if _fs.quarantine(path, layout.quarantine_dir):
+                out.discarded.append(f"{SPARES_DIR}/{name}: {problem} (quarantined)")
+    for directory in sorted(moved_into):
+        _fs.fsync_dir(directory)
+    _fs.fsync_dir(spares)
+    return out
+
+
+def _scan_spare(layout: SSDLayout, path: Path, out: _SpareScan, moved_into: set[Path]) -> str:
+    """One file of spares/; "" when dealt with, else what is wrong with it."""
+    if not path.name.endswith(SPARE_SUFFIX) or not path.is_file():
+        return "unexpected file in the spares directory"
+    try:
+        if path.stat().st_size == 0:
+            out.ready.append(str(path))
+            return ""
+        header, _ = _fs.read_header(path)
+    except RecordError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    final = layout.path(header.key)
+    _fs.make_dir_durable(final.parent)
+    os.replace(path, final)  # the spare's record is newer than any file under its name
+    moved_into.add(final.parent)
+    out.recovered.append(f"{SPARES_DIR}/{path.name} -> {final.relative_to(layout.root)}")
+    return ""
 
 
 def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
@@ -356,6 +447,8 @@ class SSDTier(Tier):
             buffered readahead windows on cold reads (bench/tiers.py).
         max_concurrency: puts/gets in flight in `put_many`/`get_many`, and the number of
             threads of the tier's own pool that runs every disk operation.
+        spare_files: spares kept ready for new keys (0: none; every new key then pays a
+            directory fsync, `_fs.write_new`).
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
     directory and scans it.
@@ -365,11 +458,13 @@ class SSDTier(Tier):
 
     def __init__(self, root: Path | str, budget_bytes: int = 0, zstd_kinds: dict[int, int] | None = None,
                  *, direct_io_min_bytes: int | None = DEFAULT_DIRECT_IO_MIN_BYTES,
-                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, spare_files: int = DEFAULT_SPARE_FILES) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if spare_files < 0:
+            raise ValueError(f"spare_files must be >= 0, got {spare_files}")
         self._layout = SSDLayout(Path(root))
         self._budget_bytes = budget_bytes
         self._zstd_kinds = dict(zstd_kinds or {})
@@ -383,6 +478,9 @@ class SSDTier(Tier):
         self._known_dirs: dict[str, set[str]] = {f"{top:02x}": set() for top in range(256)}  # top -> subs
         self._tmp_tag = f"{os.getpid():x}{secrets.token_hex(3)}"
         self._tmp_seq = itertools.count()
+        self._spares = _SparePool(spare_files)
+        self._spare_seq = itertools.count()
+        self._refill_task: asyncio.Task[None] | None = None
         self._gate = _ScanGate()
         self._locks = _KeyLocks()
         self._lock_fd: int | None = None
@@ -414,6 +512,7 @@ class SSDTier(Tier):
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
+        await self._refill()
         self._scan_mark = self._gate.mutations
         return self.last_scan
 
@@ -450,6 +549,10 @@ class SSDTier(Tier):
         return fd
 
     async def aclose(self) -> None:
+        if self._refill_task is not None:
+            with contextlib.suppress(Exception):
+                await self._refill_task  # a few creates and one fsync: not left running unowned
+            self._refill_task = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; closing an fd does not block
             self._lock_fd = None
@@ -463,6 +566,41 @@ class SSDTier(Tier):
     def _check_open(self) -> None:
         if self._lock_fd is None:
             raise RuntimeError("SSDTier is not open: await tier.open() (or SSDTier.create) first")
+
+    # ----- spare pool -------------------------------------------------------------------
+
+    @property
+    def spare_files(self) -> int:
+        """Spares ready for new keys (empty files: no data blocks, 0 bytes in `usage()`)."""
+        return len(self._spares.ready)
+
+    def _claim_spare(self) -> str | None:
+        """A spare for a new key's put (None: the pool is empty; the put falls back to
+        `write_new`); starts a background refill once half the pool is claimed."""
+        spare = self._spares.claim()
+        if self._spares.wants_refill():
+            self._spares.refilling = True
+            self._refill_task = asyncio.get_running_loop().create_task(self._refill())
+        return spare
+
+    async def _refill(self) -> None:
+        """Top the pool up to its target: one batch of creates and one directory fsync, on
+        the second thread pool (not behind the puts queued on the first). A scan waits."""
+        pool = self._spares
+        pool.refilling = True
+        try:
+            async with self._gate.mutation(changes_index=False):
+                missing = pool.target - len(pool.ready)
+                if missing <= 0 or self._dir_sync is None:
+                    return
+                names = [f"{self._tmp_tag}{next(self._spare_seq):x}{SPARE_SUFFIX}" for _ in range(missing)]
+                made = await asyncio.get_running_loop().run_in_executor(
+                    self._dir_sync, _fs.make_spares, str(self._layout.spares_dir), names)
+                pool.ready.extend(made)
+        except OSError as exc:
+            logger.warning("ssd spare files not made (%s): new keys fsync their directory until they are", exc)
+        finally:
+            pool.refilling = False
 
     # ----- accounting -------------------------------------------------------------------
 
@@ -533,8 +671,10 @@ class SSDTier(Tier):
             if not self._try_reserve(need, self._index.get(key)):
                 logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
                 return False
+            new_key = key not in self._index
+            spare = self._claim_spare() if new_key else None
             try:
-                header = await self._run(self._write_record, record, encoded, key not in self._index)
+                header = await self._run(self._write_record, record, encoded, new_key, spare)
             except OSError as exc:
                 self._log_write_failure(key, exc)
                 return False
@@ -546,9 +686,10 @@ class SSDTier(Tier):
     def _next_tmp(self, final: str) -> str:
         return f"{final}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}"
 
-    def _write_record(self, record: Record, encoded: bytes | None, new_key: bool) -> RecordHeader:
-        """Worker thread: checksum, write durably (in place for a new key, else through a
-        temp file and a rename), return the header as stored."""
+    def _write_record(self, record: Record, encoded: bytes | None, new_key: bool, spare: str | None) -> RecordHeader:
+        """Worker thread: checksum, write durably (a new key into its spare, or in place
+        without one; a key the index holds through a temp file and a rename), return the
+        header as stored."""
         if encoded is None:
             payload = record.payload
             head = encode_header(record.header, stored_length=len(payload), flags=0,
@@ -564,9 +705,12 @@ class SSDTier(Tier):
         total = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
         direct = self._direct_io_min_bytes is not None and total >= self._direct_io_min_bytes
         final = self._layout.path_str(key)
-        dir_sync = self._dir_sync if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
-        if not (new_key and _fs.write_new(final, chunks, direct=direct, dir_sync=dir_sync)):
-            _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct)
+        if spare is not None:
+            _fs.write_spare(spare, final, chunks, direct=direct)
+        else:
+            dir_sync = self._dir_sync if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
+            if not (new_key and _fs.write_new(final, chunks, direct=direct, dir_sync=dir_sync)):
+                _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct)
         stored, _ = decode_header(head)
         return stored
 
@@ -671,23 +815,24 @@ class SSDTier(Tier):
     async def _put_shares(self, records: Sequence[Record]) -> list[bool]:
         """put_many's body, every key locked: reserve, write the shares, index what landed."""
         out = [False] * len(records)
-        plan = []  # (position, record, reserved bytes, new key)
+        plan = []  # (position, record, reserved bytes, new key, spare)
         for i, record in enumerate(records):
             need = self._footprint_of(HEADER_SIZE + len(record.payload))
             if not self._try_reserve(need, self._index.get(record.key)):
                 logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
                 continue
-            plan.append((i, record, need, record.key not in self._index))
+            new_key = record.key not in self._index
+            plan.append((i, record, need, new_key, self._claim_spare() if new_key else None))
         shares = [plan[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(plan)))]
         try:
             results = await asyncio.gather(*(
-                self._run(self._write_share, [(record, new_key) for _, record, _, new_key in share])
+                self._run(self._write_share, [(record, new_key, spare) for _, record, _, new_key, spare in share])
                 for share in shares))
         finally:
-            for _, _, need, _ in plan:
+            for _, _, need, _, _ in plan:
                 self._release(need)
         for share, share_results in zip(shares, results):
-            for (i, record, _, _), result in zip(share, share_results):
+            for (i, record, _, _, _), result in zip(share, share_results):
                 if isinstance(result, OSError):
                     self._log_write_failure(record.key, result)
                 else:
@@ -695,13 +840,13 @@ class SSDTier(Tier):
                     out[i] = True
         return out
 
-    def _write_share(self, jobs: Sequence[tuple[Record, bool]]) -> list[RecordHeader | OSError]:
+    def _write_share(self, jobs: Sequence[tuple[Record, bool, str | None]]) -> list[RecordHeader | OSError]:
         """Worker thread: `_write_record` for each (uncompressed) record; a failed write is
         returned as its error and the share goes on."""
         results: list[RecordHeader | OSError] = []
-        for record, new_key in jobs:
+        for record, new_key, spare in jobs:
             try:
-                results.append(self._write_record(record, None, new_key))
+                results.append(self._write_record(record, None, new_key, spare))
             except OSError as exc:
                 results.append(exc)
         return results
@@ -731,7 +876,12 @@ class SSDTier(Tier):
         self._check_open()
         async with self._gate.exclusive():
             root = self._layout.root
+            spares = await self._run(_scan_spares, self._layout)
+            self._spares.ready = collections.deque(spares.ready)
+            for line in spares.recovered:
+                logger.info("ssd scan of %s: a whole record under a spare name, moved to its own: %s", root, line)
             tops, discarded = await self._run(_list_root, root)
+            discarded = spares.discarded + discarded
             chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
             scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
             self._index, self._tally, self._resident_bytes = {}, {}, 0

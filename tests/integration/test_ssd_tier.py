@@ -44,8 +44,9 @@ def assert_same(got: Record | None, want: Record, *, same_time: bool = True) -> 
 
 
 def files_under(root: Path) -> list[str]:
-    """Every file below root except the lock, as paths relative to root."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+    """Every file below root except the lock and the empty spares, as paths relative to root."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and p.name != ".lock" and not (p.parent.name == "spares" and p.stat().st_size == 0))
 
 
 def record_path(root: Path, record: Record) -> Path:
@@ -386,6 +387,111 @@ async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
         await SSDTier(tmp_path / "ssd").put(rec(1))
 
 
+async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_path: Path) -> None:
+    """A new key's put takes a spare (its name already durable) and renames it to the
+    record's name; once half the pool is claimed a refill tops it up; spares cost 0 bytes."""
+    tier = await SSDTier.create(tmp_path / "ssd", spare_files=8)
+    try:
+        spares = tier._layout.root / "spares"
+        assert tier.spare_files == 8 and len(list(spares.iterdir())) == 8
+        assert tier.usage().resident_bytes == 0 and tier.usage().num_records == 0
+        made = sorted(spares.iterdir())
+        records = [rec(i, size) for i, size in enumerate([10, 5000, 300_000])]
+        for r in records:
+            assert await tier.put(r)
+        assert tier.spare_files == 5  # three claimed, above half the pool: no refill yet
+        assert sorted(spares.iterdir()) == made[3:]  # claimed in creation order, renamed away
+        fourth, batch = rec(3, 1 << 20), [rec(i, 100) for i in range(4, 10)]
+        await tier.put(fourth)  # the fourth leaves half: refill in the background
+        assert await tier.put_many(batch) == [True] * 6
+        while tier._refill_task is not None and not tier._refill_task.done():
+            await asyncio.sleep(0.001)
+        assert tier.spare_files == len(list(spares.iterdir())) <= 8
+        assert all(p.stat().st_size == 0 for p in spares.iterdir())
+        stored = records + [fourth] + batch
+        root = tier._layout.root
+        assert files_under(root) == sorted(str(record_path(root, r).relative_to(root)) for r in stored)
+        assert tier.usage().resident_bytes == sum(tier.footprint(r) for r in stored)
+        for r in stored:
+            assert_same(await tier.get(r.key), r)
+        # A key the index holds keeps the temp + rename protocol: no spare is taken.
+        before, newer = tier.spare_files, rec(1, 7000)
+        await tier.put(newer)
+        assert tier.spare_files == before
+        assert_same(await tier.get(newer.key), newer)
+    finally:
+        await tier.aclose()
+
+
+async def test_without_spares_new_keys_are_written_in_place(tmp_path: Path) -> None:
+    """spare_files=0 (or an empty pool): a new key is written under its name with O_EXCL
+    and its directory fsynced; the same records, the same files."""
+    tier = await SSDTier.create(tmp_path / "ssd", spare_files=0)
+    try:
+        records = [rec(i, size) for i, size in enumerate([10, 300_000, 1 << 20])]
+        assert await tier.put_many(records) == [True] * 3
+        one = rec(5, 100)
+        assert await tier.put(one)
+        root = tier._layout.root
+        assert tier.spare_files == 0 and list((root / "spares").iterdir()) == []
+        stored = records + [one]
+        assert files_under(root) == sorted(str(record_path(root, r).relative_to(root)) for r in stored)
+        for r in stored:
+            assert_same(await tier.get(r.key), r)
+    finally:
+        await tier.aclose()
+    with pytest.raises(ValueError, match="spare_files"):
+        SSDTier(tmp_path / "x", spare_files=-1)
+
+
+async def test_spares_left_by_a_crash_are_reused_recovered_or_quarantined(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """What a crash can leave in spares/, one of each, then a restart:
+    - claimed but unwritten (empty): a spare again, reused, never reported;
+    - a whole record (fdatasynced, the rename not on disk): moved to its name and served,
+      over an older version under that name (the spare's is the newer put);
+    - a torn record (killed mid-write, never acknowledged): quarantined and reported;
+    and the pool is topped up to its target, not past it."""
+    tier = await SSDTier.create(tmp_path / "ssd", spare_files=4)
+    root = tier._layout.root
+    old, kept = rec(1, 5000), rec(2, 300)
+    assert await tier.put(old) and await tier.put(kept)
+    await tier.aclose()
+    spares = root / "spares"
+    for p in spares.iterdir():
+        p.unlink()
+    (spares / "a1.spare").write_bytes(b"")  # claimed, nothing written
+    whole_new, whole_newer = rec(3, 300_000), make_record(1, 1, b"v2" * 4000, model_fingerprint=b"F" * 16,
+                                                          tenant_id=b"T" * 16, block_key=old.header.block_key)
+    from tiers.record import encode_record
+    (spares / "a2.spare").write_bytes(encode_record(whole_new))
+    (spares / "a3.spare").write_bytes(encode_record(whole_newer))
+    torn = encode_record(rec(4, 300_000))
+    (spares / "a4.spare").write_bytes(torn[: 8192])
+    (spares / "stray").write_bytes(b"?")
+    with caplog.at_level(logging.INFO, logger="tiers.ssd"):
+        tier = await SSDTier.create(root, spare_files=4)
+    try:
+        assert sorted(tier.last_scan.discarded) == [
+            f"spares/a4.spare: file is 8192 bytes but the header says {len(torn)} (quarantined)",
+            "spares/stray: unexpected file in the spares directory (quarantined)"]
+        assert "a2.spare ->" in caplog.text and "a3.spare ->" in caplog.text
+        assert sorted(h.key for h in tier.last_scan.headers) == sorted([old.key, kept.key, whole_new.key])
+        assert_same(await tier.get(whole_new.key), whole_new)
+        assert_same(await tier.get(old.key), whole_newer)
+        assert_same(await tier.get(kept.key), kept)
+        assert files_under(root) == sorted(
+            [str(record_path(root, r).relative_to(root)) for r in (old, kept, whole_new)]
+            + [f"quarantine/{p.name}" for p in (root / "quarantine").iterdir()])
+        assert (spares / "a1.spare").exists()  # reused, not replaced
+        assert tier.spare_files == len(list(spares.iterdir())) == 4
+        assert tier.usage().resident_bytes == sum(tier.footprint(r) for r in (whole_newer, kept, whole_new))
+        await tier.put(rec(5, 100))
+        assert not (spares / "a1.spare").exists()  # the oldest spare is claimed first
+    finally:
+        await tier.aclose()
+
+
 def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> list[str]:
     """SIGSTOP the child; keep it stopped only if a put is caught half-done on disk.
 
@@ -404,7 +510,8 @@ def _stop_while_writing(pid: int, root: Path, attempts: int = 200) -> list[str]:
 
 
 def _torn_files(root: Path, *, headers_only: bool = False) -> list[str]:
-    """Temp files, and record files that do not hold a whole valid record, relative to root.
+    """Temp files, and record files and non-empty spares that do not hold a whole valid
+    record, relative to root.
 
     `headers_only`: judge a record file by its header and size alone (cheap enough to run
     while the child is stopped; with no write in progress, a file of the size its valid
@@ -415,7 +522,7 @@ def _torn_files(root: Path, *, headers_only: bool = False) -> list[str]:
             continue
         if path.name.endswith(".tmp"):
             torn.append(str(path.relative_to(root)))
-        elif path.name.endswith(".rec"):
+        elif path.name.endswith(".rec") or path.name.endswith(".spare") and path.stat().st_size:
             try:
                 if headers_only:
                     read_header(path)
@@ -432,9 +539,11 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
     """A SIGKILL that lands while puts are half-done on disk: every acknowledged record is
     served bit-exactly after a restart, and nothing torn is ever indexed or served.
 
-    Every key the child writes is new, so its puts write in place under the final name
-    (`tiers._fs.write_new`): the torn files are `.rec` files, which the scan quarantines
-    (a temp file, from a put replacing a key, would be removed instead)."""
+    Every key the child writes is new, so its puts write into spares (`tiers._fs.write_spare`)
+    or, while the pool is being refilled, in place under the final name (`write_new`): the
+    torn files are spares or `.rec` files, which the scan quarantines (a temp file, from a
+    put replacing a key, would be removed instead). A spare caught holding a whole record
+    (written, not yet renamed) is not torn: the scan moves it to its name and serves it."""
     sys.path.insert(0, str(CHILD.parent))
     from ssd_writer_child import child_block_key, child_record
 
@@ -459,7 +568,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
     assert len(acked) < num_records, "the child finished before the kill"
     torn = _torn_files(root)
     assert torn == torn_at_stop  # the stopped child changed nothing more before it died
-    assert all(t.endswith(".rec") for t in torn)  # new keys are written in place
+    assert all(t.endswith(".rec") or t.startswith("spares/") for t in torn)  # new keys: no temp files
 
     async def check() -> None:
         tier = await SSDTier.create(root)
@@ -471,7 +580,8 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
             for line in scan.discarded:
                 assert line.endswith(" (removed)" if line.split(": ", 1)[0].endswith(".tmp") else " (quarantined)")
             assert _torn_files(root) == []
-            assert len(list((root / "quarantine").iterdir())) == sum(t.endswith(".rec") for t in torn)
+            assert len(list((root / "quarantine").iterdir())) == len(torn)
+            assert all(p.stat().st_size == 0 for p in (root / "spares").iterdir())  # whole ones were moved
             for i in acked:
                 assert_same(await tier.get(child_record(i).key), child_record(i), same_time=False)
             index_of = {child_block_key(i): i for i in range(num_records)}
