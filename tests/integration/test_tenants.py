@@ -193,10 +193,11 @@ def written_files(root: Path) -> list[Path]:
 
 
 def assert_only_records_inside(tmp_path: Path, data_dir: Path) -> None:
-    """Everything the server wrote is inside the data dir: its secret, the SSD lock and
-    hex-named records under two levels of hex fan-out."""
+    """Everything the server wrote is inside the data dir: its secret, the SSD lock,
+    hex-named records under two levels of hex fan-out and the SSD tier's hex-named spares."""
     assert sorted(p.name for p in tmp_path.iterdir()) == [data_dir.name]
-    record_name = re.compile(r"^ssd/([0-9a-f]{2})/([0-9a-f]{2})/[0-9a-f]{4}\1\2[0-9a-f]{60}\.rec$")
+    record_name = re.compile(r"^ssd/([0-9a-f]{2})/([0-9a-f]{2})/[0-9a-f]{4}\1\2[0-9a-f]{60}\.rec$"
+                             r"|^ssd/spares/[0-9a-f]+\.spare$")
     for path in written_files(data_dir):
         assert not path.is_symlink(), path
         assert path.resolve().is_relative_to(data_dir.resolve()), path
