@@ -30,6 +30,7 @@ from tiers.record import TENANT_BYTES, Record
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+_FRAME_HEADROOM = 4096  # a data frame's header, tag and length beside its payload bytes
 T = TypeVar("T")
 
 
@@ -307,7 +308,9 @@ class StateStoreClient:
                           reply.est_load_seconds, reply.est_seconds)
 
     async def _chunks(self, records: Sequence[Record], durability: Durability, pin: bool) -> AsyncIterator[Any]:
-        step = self.options.chunk_bytes
+        # A frame carries up to `chunk_bytes` of payload plus, in the first, the record header:
+        # keep it under the message limit whatever the options say.
+        step = max(1, min(self.options.chunk_bytes, self.options.max_message_bytes - _FRAME_HEADROOM))
         for record in records:
             record = Record(replace(record.header, tenant_id=bytes(TENANT_BYTES)), record.payload)
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(

@@ -6,7 +6,9 @@ the front of the first chunk, so neither side ever builds the concatenated recor
 sender slices the payload it has, the receiver joins the payload pieces once and verifies the
 header and payload checksums. Chunks split any other way (a foreign client) fall back to
 `decode_record` on the joined bytes: same checks, same error messages, one copy more.
-Messages, not bytes, dominate the cost of small records, so the header never travels alone.
+Messages, not bytes, dominate the cost of small records, so the header never travels alone
+nor costs a message: a chunk carries up to `chunk_bytes` of payload, the first one the header
+besides, and a record takes as many messages as its payload alone would.
 
 The bulk data path also skips protobuf objects: a `RecordChunk` holding only `data` is, on
 the wire, the byte 0x12 (field 2, length-delimited), a varint length and the bytes, so
@@ -67,16 +69,17 @@ def encoded_size(record: Record) -> int:
 
 
 def record_frames(record: Record, chunk_bytes: int) -> Iterator[bytes]:
-    """The encoded record as serialized `RecordChunk{data}` frames of at most `chunk_bytes`
-    (> HEADER_SIZE) data bytes: the header and the payload's start, then payload slices."""
-    if chunk_bytes <= HEADER_SIZE:
-        raise ValueError(f"chunk_bytes {chunk_bytes} must exceed the {HEADER_SIZE}-byte header")
+    """The encoded record as serialized `RecordChunk{data}` frames, each carrying at most
+    `chunk_bytes` payload bytes; the first also carries the header. A record travels in as
+    many messages as its payload alone would (the header never costs a message of its own),
+    so each frame is at most `chunk_bytes + HEADER_SIZE` data bytes."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes {chunk_bytes} must be positive")
     payload = record.payload
     header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=payload_checksum(payload))
     view = memoryview(payload)
-    first = chunk_bytes - HEADER_SIZE
-    yield data_frame(header, view[:first])
-    for offset in range(first, len(payload), chunk_bytes):
+    yield data_frame(header, view[:chunk_bytes])
+    for offset in range(chunk_bytes, len(payload), chunk_bytes):
         yield data_frame(view[offset:offset + chunk_bytes])
 
 

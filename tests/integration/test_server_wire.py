@@ -8,6 +8,8 @@ import os
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto.statestore.v1 import common_pb2
 from statestore.wire import data_frame, encoded_size, join_parts, record_frames, split_data_frame
@@ -39,15 +41,34 @@ def test_other_messages_are_not_data_frames() -> None:
     assert split_data_frame(b"") is None and split_data_frame(b"\x12\x05abc") is None  # length disagrees
 
 
-@pytest.mark.parametrize("nbytes, chunk", [(0, 1024), (100, 1024), (5000, 1024), (3 << 20, 1 << 20)])
+@pytest.mark.parametrize("nbytes, chunk", [(0, 1024), (100, 1024), (1024, 1024), (5000, 1024), (3 << 20, 1 << 20)])
 def test_frames_round_trip(nbytes: int, chunk: int) -> None:
     r = record(nbytes)
     frames = list(record_frames(r, chunk))
     parts = [split_data_frame(f) for f in frames]
-    assert all(p is not None and len(p) <= chunk for p in parts)
+    assert all(p is not None for p in parts)
+    # The header rides in the first frame: as many messages as the payload alone needs.
+    assert len(parts) == max(1, -(-nbytes // chunk))
+    assert len(parts[0]) == HEADER_SIZE + min(nbytes, chunk)  # type: ignore[arg-type]
+    assert all(len(p) <= chunk for p in parts[1:])  # type: ignore[arg-type]
     assert sum(len(p) for p in parts) == encoded_size(r)  # type: ignore[arg-type]
     assert b"".join(parts) == encode_record(r)  # type: ignore[arg-type]
     assert same(join_parts(parts, expect_key=r.key), r)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(nbytes=st.integers(0, 5000), chunk=st.integers(1, 2048))
+def test_frames_round_trip_any_sizes(nbytes: int, chunk: int) -> None:
+    r = record(nbytes)
+    parts = [split_data_frame(f) for f in record_frames(r, chunk)]
+    assert len(parts) == max(1, -(-nbytes // chunk))
+    assert b"".join(parts) == encode_record(r)  # type: ignore[arg-type]
+    assert same(join_parts(parts, expect_key=r.key), r)  # type: ignore[arg-type]
+
+
+def test_frames_need_a_positive_chunk() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        list(record_frames(record(10), 0))
 
 
 @pytest.mark.parametrize("cuts", [[], [10], [HEADER_SIZE], [HEADER_SIZE + 1, 300], [50, 100, 150, 2000]])
