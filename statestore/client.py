@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 import grpc
 
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
+from statestore.payloads import PayloadPut, PayloadSink, PayloadTransport, StartInfo
 from statestore.types import Durability
 from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
-from tiers.record import TENANT_BYTES, Record
+from tiers.record import TENANT_BYTES, Record, RecordHeader
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
@@ -216,6 +217,7 @@ class ClientOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     timeout_s: float | None = 600.0
     root_certificates: bytes | None = None
+    shm_bytes: int = 0  # same-host shared-memory region of put_payloads/get_payloads_into (0: gRPC only)
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
 
 
@@ -233,6 +235,7 @@ class StateStoreClient:
         self.options = options or ClientOptions()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel: grpc.aio.Channel | None = None
+        self._transport: PayloadTransport | None = None
         self._store: statestore_pb2_grpc.StateStoreStub
         self._sessions: sessions_pb2_grpc.SessionsStub
 
@@ -263,6 +266,9 @@ class StateStoreClient:
         self._sessions = sessions_pb2_grpc.SessionsStub(self._channel)
 
     async def aclose(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -359,6 +365,64 @@ class StateStoreClient:
             out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0]))
         return out
 
+    # ----- opaque payloads from and into the caller's buffers (statestore/payloads.py) ------------
+
+    def _payloads(self) -> PayloadTransport:
+        if self._transport is None:
+            if self._channel is None:
+                raise RuntimeError("StateStoreClient: open() it first")
+            o = self.options
+            self._transport = PayloadTransport(self._put, self._get, _get_request, _FRAMES, self._metadata,
+                                               o.timeout_s, o.chunk_bytes, o.shm_bytes)
+        return self._transport
+
+    @property
+    def shm_active(self) -> bool:
+        """Whether payloads move through the shared-memory region (known after the first call)."""
+        return self._transport is not None and self._transport.shm_active
+
+    async def put_payloads(self, items: Sequence[PayloadPut], durability: Durability = Durability.MEMORY, *,
+                           pin: bool = False) -> list[PutInfo]:
+        """Store records given as a header and payload buffers (no `Record` built), in one call;
+        through the shared-memory region when `options.shm_bytes` is set and the server is local."""
+        if not items:
+            raise ValueError("put_payloads: no items")
+        try:
+            reply = await self._payloads().put(items, int(durability), pin)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or "", "PutRecords") from None
+        return [PutInfo(bytes(r.key), Durability(r.durability), tuple(r.tiers), r.evicted) for r in reply.results]
+
+    async def get_payloads_into(self, keys: Sequence[bytes], sink: PayloadSink, *, head_bytes: int = 4096) -> list[bool]:
+        """Fetch records straight into buffers `sink` hands out (see `PayloadSink`): per key, True
+        when the payload arrived verified, False for a miss or a discarded record."""
+        if not 0 < head_bytes <= 1 << 20:
+            raise ValueError(f"get_payloads_into: head_bytes {head_bytes} outside (0, 1 MiB]")
+        try:
+            return await self._payloads().get_into(list(keys), sink, head_bytes)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
+
+    async def read_head(self, key: bytes, num_bytes: int) -> tuple[RecordHeader, bytes] | None:
+        """A record's header and first `num_bytes` payload bytes, without fetching the rest."""
+        if not 0 <= num_bytes <= 1 << 20:
+            raise ValueError(f"read_head: num_bytes {num_bytes} outside [0, 1 MiB]")
+        try:
+            return await self._payloads().read_head(key, num_bytes)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
+
+    async def count_prefix(self, block_keys: Sequence[bytes], kind: int, *, model_fingerprint: bytes = b"") -> int:
+        """How many of `block_keys`, from the first, the server holds as records of `kind`."""
+        hits = 0
+        for start in range(0, len(block_keys), _LOOKUP_KEYS):
+            batch = block_keys[start:start + _LOOKUP_KEYS]
+            found = (await self.lookup(batch, kinds=[kind], model_fingerprint=model_fingerprint)).combined_blocks
+            hits += found
+            if found < len(batch):
+                break
+        return hits
+
     async def pin(self, keys: Sequence[bytes]) -> int:
         return (await self._call(self._store.Pin, statestore_pb2.KeysRequest(keys=list(keys)))).changed
 
@@ -448,6 +512,35 @@ def _name(method: Any) -> str:
     raw = getattr(method, "_method", b"")
     raw = raw.decode() if isinstance(raw, bytes) else str(raw)
     return raw.rsplit("/", 1)[-1]
+
+
+_LOOKUP_KEYS = 65536  # the server's key limit per Lookup
+
+
+def _get_request(keys: Sequence[bytes], chunk_bytes: int) -> statestore_pb2.GetRecordsRequest:
+    return statestore_pb2.GetRecordsRequest(keys=list(keys), chunk_bytes=chunk_bytes)
+
+
+class _Frames:
+    """The protobuf side of `PayloadTransport`'s streams."""
+
+    @staticmethod
+    def start_frame(key: bytes, total_bytes: int, durability: int, pin: bool) -> bytes:
+        return common_pb2.RecordChunk(start=common_pb2.RecordStart(
+            key=key, total_bytes=total_bytes, durability=durability, pin=pin)).SerializeToString()
+
+    @staticmethod
+    def read_frame(frame: bytes) -> memoryview | StartInfo:
+        data = split_data_frame(frame)
+        if data is not None:
+            return data
+        chunk = common_pb2.RecordChunk.FromString(frame)
+        if chunk.WhichOneof("part") == "data":
+            return memoryview(chunk.data)
+        return StartInfo(bytes(chunk.start.key), chunk.start.found, chunk.start.total_bytes)
+
+
+_FRAMES = _Frames()
 
 
 def _serialize_chunk(message: bytes | common_pb2.RecordChunk) -> bytes:

@@ -50,6 +50,7 @@ from statestore.config import ServiceConfig
 from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.metrics import ServiceMetrics, kind_name
 from statestore.quotas import QuotaExceeded, TenantQuotas
+from statestore.shm import ATTACHED, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable, ShmWindow, slot_views, write_slot
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
@@ -270,8 +271,9 @@ def _session_info(info: ss.SessionInfo) -> sessions_pb2.SessionInfo:
 class _Reassembler:
     """Collects the start + data messages of a PutRecords stream into whole encoded records."""
 
-    def __init__(self, max_record_bytes: int, max_stream_bytes: int) -> None:
+    def __init__(self, max_record_bytes: int, max_stream_bytes: int, *, data_in_shm: bool = False) -> None:
         self._max_record, self._max_stream = max_record_bytes, max_stream_bytes
+        self._data_in_shm = data_in_shm  # the stream carries starts only (statestore/shm.py)
         self.done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]] = []
         self._start: common_pb2.RecordStart | None = None
         self._parts: list[bytes | memoryview] = []
@@ -317,6 +319,8 @@ class _Reassembler:
         where = f"record {len(self.done)}"
         if self._start is None:
             raise _BadField(f"{where}: a data chunk came before its start message")
+        if self._data_in_shm:
+            raise _BadField(f"{where}: a data chunk in a shared-memory PutRecords (its bytes are in the window)")
         if self._received + len(data) > self._start.total_bytes:
             raise _BadField(f"{where}: data exceeds start.total_bytes {self._start.total_bytes}")
         self._parts.append(data)
@@ -325,7 +329,7 @@ class _Reassembler:
     def _finish(self) -> None:
         if self._start is None:
             return
-        if self._received != self._start.total_bytes:
+        if self._received != self._start.total_bytes and not self._data_in_shm:
             raise _BadField(f"record {len(self.done)}: stream ended after {self._received} of "
                             f"start.total_bytes {self._start.total_bytes} bytes")
         self.done.append((self._start, self._parts))
@@ -441,13 +445,38 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
     @_unary
     async def PutRecords(self, request_iterator: Any, context: Any, tenant: str) -> Any:
         owner = self._owner
-        assembler = _Reassembler(owner.config.max_record_bytes, owner.config.max_stream_bytes)
+        window = self._shm_window(context, put=True)
+        assembler = _Reassembler(owner.config.max_record_bytes, owner.config.max_stream_bytes,
+                                 data_in_shm=window is not None)
         async for frame in request_iterator:
             assembler.feed_frame(frame)
         parts = assembler.records()
-        verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
+        if window is not None:  # the bytes are in the client's window: views, copied once by _verify
+            try:
+                views = slot_views(owner.shm.buffer(window), window, [start.total_bytes for start, _ in parts])
+            except ShmUnavailable as exc:
+                raise _Precondition(str(exc)) from None
+            parts = [(start, [view]) for (start, _), view in zip(parts, views)]
+        try:
+            verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
+        finally:
+            for _, bufs in parts if window is not None else ():
+                for view in bufs:
+                    view.release()
         async with owner.quotas.admit_bytes(self._store, tenant, [record for record, _ in verified]):
             return await self._put_verified(verified, parts)
+
+    def _shm_window(self, context: Any, *, put: bool) -> ShmWindow | None:
+        """The shared-memory window the call names (statestore/shm.py), None without one. A put
+        that names an unusable one is refused (FAILED_PRECONDITION "shm: ..."); a get falls back
+        to data frames."""
+        try:
+            return self._owner.shm.window_from(context.invocation_metadata(), context.peer())
+        except ShmUnavailable as exc:
+            if put:
+                raise _Precondition(str(exc)) from None
+            logger.debug("GetRecords without shared memory: %s", exc)
+            return None
 
     async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart]],
                             parts: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]) -> Any:
@@ -501,12 +530,25 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if chunk < 1024:
             raise _BadField(f"chunk_bytes: {request.chunk_bytes} < 1024")
         tid = tenant_id(tenant)
+        window = self._shm_window(context, put=False)
+        slots = None
+        if window is not None:  # found records go into the client's window (statestore/shm.py)
+            await context.send_initial_metadata(((METADATA_KEY, ATTACHED),))
+            slots, shm_buf = ShmSlots(window), self._owner.shm.buffer(window)
         for key in keys:
             record = await self._store.get(key, expect_tenant=tid)
             if record is None:
                 yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
                 continue
             total = encoded_size(record)
+            at = slots.take(total) if slots is not None else None
+            if at is not None:
+                await write_slot(shm_buf, at, record)
+                yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
+                self._calls.metrics.bytes_moved.labels("out").inc(total)
+                continue
+            if slots is not None and slots.num_used:
+                return  # the window is full: the client asks again for the keys left
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
             for frame in record_frames(record, chunk):
                 yield frame  # a serialized RecordChunk{data}: see `serialize_chunk`
@@ -787,6 +829,7 @@ class StateStoreServer:
         self.metrics_port = 0
         self.open_report = OpenReport({}, {})  # what the start-up scans indexed and discarded
         self._server: grpc.aio.Server | None = None
+        self.shm = ShmAttachments()  # clients' shared-memory regions (statestore/shm.py)
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
 
@@ -880,6 +923,7 @@ class StateStoreServer:
         await self.sessions.aclose()
         await self.store.aclose()
         self.metrics.close()
+        self.shm.close()
 
     async def stop(self, grace: float | None = None) -> None:
         """Idempotent graceful stop: health NOT_SERVING, in-flight calls get `grace` seconds."""

@@ -24,6 +24,7 @@ The LMCache config a user writes (YAML; `LMCACHE_CONFIG_FILE=lmcache.yaml`)::
       remote_storage_plugin.statestore.lookup_timeout_s: 0.5       # contains / prefix lookups
       remote_storage_plugin.statestore.frame_bytes: 1048576        # bytes per gRPC message: below the
                                                                    # server's max_message_bytes (4 MiB)
+      remote_storage_plugin.statestore.shm_bytes: 268435456        # same-host shared memory (0: off)
 
 Every process that should share chunks must run with the same `PYTHONHASHSEED` (without
 vLLM, LMCache hashes token chunks with Python's `hash`). The plugin name (`statestore`
@@ -42,9 +43,13 @@ How a chunk is stored:
   `list` can return it and a hash collision is detected), LMCache's `RemoteMetadata`
   (length, shapes, dtypes, format), then the chunk bytes.
 
-Data path: puts slice `memory_obj.byte_array` straight into the gRPC frames (one copy, into
-the frame). Gets stream frames into a buffer allocated from LMCache's LocalCPUBackend
-(`byte_array.cast("B")`, one copy, from the frame), hashing as they land; a record whose
+Data path: only the public client API (`StateStoreClient.put_payloads`, `get_payloads_into`,
+`read_head`, `count_prefix`; statestore/payloads.py). A put hands the prefix and
+`memory_obj.byte_array` as they are; a get allocates the buffer from LMCache's LocalCPUBackend
+once the record's header and prefix are read, and the rest lands straight in it. When the
+server runs on the same host the bytes move through a shared-memory region (`shm_bytes`,
+statestore/shm.py: one copy in, one copy out; the server still fsyncs before acknowledging a
+`local` put), else as gRPC frames sliced from / copied into those buffers. A record whose
 checksum, key or shape does not match is released and reported as a miss.
 
 Failure model: a statestore that is down, slow or refusing gives misses (`exists` False,
@@ -64,12 +69,11 @@ import json
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import xxhash
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.protocol import RemoteMetadata
@@ -77,12 +81,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from engine_adapter.base import Codec, StateKind
 from engine_adapter.fingerprint import make_model_fingerprint
-from proto.statestore.v1 import common_pb2, statestore_pb2
 from statestore.client import ClientOptions, ServiceError, StateStoreClient
+from statestore.payloads import PayloadPut
 from statestore.types import Durability
-from statestore.wire import data_frame, split_data_frame
-from tiers.record import (HEADER_SIZE, KEY_BYTES, TENANT_BYTES, RecordError, RecordHeader, decode_header,
-                          encode_header, make_record_key)
+from tiers.record import KEY_BYTES, TENANT_BYTES, RecordError, RecordHeader, make_record_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,10 +95,8 @@ _PERSON_KEY = b"ss.lmcache-key1"
 _PERSON_SECRET = b"ss.lmcache-sec1"
 _LAYOUT_VERSION = 1
 _KIND = int(StateKind.OPAQUE)
-_LOOKUP_BATCH = 65536  # the server's key limit per Lookup
-_GET_BATCH = 4096  # the server's key limit per GetRecords
 _LIST_CONCURRENCY = 16  # first-frame reads in flight while listing
-_GET_METHOD = "/statestore.v1.StateStore/GetRecords"
+_HEAD_BYTES = 4096  # payload bytes read before a chunk's buffer is allocated: the whole prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +113,7 @@ class ConnectorSettings:
     max_backoff_s: float = 10.0
     frame_bytes: int = 1 << 20  # data bytes per gRPC message (the server's default limit is 4 MiB)
     max_batch_bytes: int = 64 << 20  # records per PutRecords stream (the server's default is 256 MiB)
+    shm_bytes: int = 256 << 20  # same-host shared-memory region (statestore/shm.py); 0: gRPC frames only
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
@@ -123,6 +124,10 @@ class ConnectorSettings:
             raise ValueError("statestore connector: timeouts and backoff must be > 0 (max_backoff_s >= backoff_s)")
         if not 64 << 10 <= self.frame_bytes <= 3 << 20:
             raise ValueError(f"statestore connector: frame_bytes {self.frame_bytes} outside [64 KiB, 3 MiB]")
+        if self.shm_bytes and not 8 << 20 <= self.shm_bytes <= 64 << 30:
+            raise ValueError(f"statestore connector: shm_bytes {self.shm_bytes} is neither 0 nor in [8 MiB, 64 GiB]")
+        if self.max_batch_bytes < 1:
+            raise ValueError(f"statestore connector: max_batch_bytes {self.max_batch_bytes} < 1")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, plugin_name: str) -> ConnectorSettings:
@@ -131,7 +136,7 @@ class ConnectorSettings:
         values: dict[str, Any] = {}
         for name, field_type in (("target", str), ("token", str), ("namespace", str), ("timeout_s", float),
                                  ("lookup_timeout_s", float), ("backoff_s", float), ("max_backoff_s", float),
-                                 ("frame_bytes", int), ("max_batch_bytes", int)):
+                                 ("frame_bytes", int), ("max_batch_bytes", int), ("shm_bytes", int)):
             if prefix + name in extra and extra[prefix + name] is not None:
                 values[name] = field_type(extra[prefix + name])
         if prefix + "durability" in extra:
@@ -190,106 +195,54 @@ def unpack_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, str, bytes]
     return end, key, bytes(buf[_PREFIX.size + key_len:end])
 
 
-class _Incoming:
-    """One record arriving on a GetRecords stream, written into an LMCache buffer as it lands."""
+class _ChunkSink:
+    """Where `get_payloads_into` puts fetched chunks: buffers allocated from LMCache's
+    LocalCPUBackend once a record's header and prefix (key string, RemoteMetadata) are read."""
 
-    def __init__(self, connector: StateStoreConnector, key_string: str, total_bytes: int) -> None:
+    def __init__(self, connector: StateStoreConnector, keys: Sequence[CacheEngineKey]) -> None:
         self.connector = connector
-        self.key_string = key_string
-        self.total_bytes = total_bytes
-        self.head = bytearray()  # header + prefix until both are complete
-        self.header: RecordHeader | None = None
-        self.checksum = 0
-        self.hasher = xxhash.xxh3_64()
-        self.obj: MemoryObj | None = None
-        self.dest: memoryview | None = None
-        self.offset = 0
-        self.failed: str | None = None
+        self.key_strings = [k.to_string() for k in keys]
+        self.objs: list[MemoryObj | None] = [None] * len(keys)
 
-    def feed(self, data: memoryview | bytes) -> None:
-        if self.failed is not None:
-            return
+    def open(self, index: int, header: RecordHeader, head: memoryview) -> tuple[int, memoryview] | None:
         try:
-            if self.dest is None:
-                # The header and prefix are read in place from the first frame (the server puts
-                # them there); only a foreign split that cuts them goes through `head`.
-                if self.head:
-                    self.head += data
-                    data = memoryview(self.head)
-                start = self._maybe_start(memoryview(data))
-                if start is None:
-                    if not self.head:
-                        self.head = bytearray(data)
-                    return
-                data = memoryview(data)[start:]
-            end = self.offset + len(data)
-            assert self.dest is not None
-            if end > len(self.dest):
-                raise RecordError(f"{end - len(self.dest)} bytes more than the chunk holds")
-            self.dest[self.offset:end] = data  # the one copy: frame -> LMCache's buffer
-            self.hasher.update(data)
-            self.offset = end
+            return self._open(index, header, head)
         except (RecordError, ValueError, struct.error) as exc:
-            self.fail(str(exc))
-        finally:
-            if self.dest is not None and self.head:
-                data = b""
-                self.head = bytearray()
+            logger.warning("statestore: chunk %s discarded: %s", self.key_strings[index], exc)
+            return None
 
-    def _maybe_start(self, buf: memoryview) -> int | None:
-        """Where the chunk bytes begin in `buf` once header and prefix are complete (None: not yet);
-        then the buffer is allocated from LMCache's LocalCPUBackend."""
-        if len(buf) < HEADER_SIZE:
-            return None
-        if self.header is None:
-            self.header, self.checksum = decode_header(buf[:HEADER_SIZE])
-            h = self.header
-            if h.flags or h.kind != _KIND or h.model_fingerprint != self.connector.fingerprint:
-                raise RecordError("not an uncompressed LMCache chunk of this namespace")
-        parsed = unpack_prefix(buf[HEADER_SIZE:])
+    def _open(self, index: int, header: RecordHeader, head: memoryview) -> tuple[int, memoryview] | None:
+        if header.kind != _KIND or header.model_fingerprint != self.connector.fingerprint:
+            raise RecordError("not an LMCache chunk of this namespace")
+        parsed = unpack_prefix(head)
         if parsed is None:
-            return None
+            raise RecordError(f"chunk prefix longer than {_HEAD_BYTES} bytes")
         prefix_len, key_string, meta_bytes = parsed
-        if key_string != self.key_string:
-            raise RecordError(f"record holds key {key_string!r}, asked for {self.key_string!r}")
+        if key_string != self.key_strings[index]:
+            raise RecordError(f"record holds key {key_string!r}, asked for {self.key_strings[index]!r}")
         meta = RemoteMetadata.deserialize(meta_bytes)
-        data_len = self.header.raw_length - prefix_len
+        data_len = header.raw_length - prefix_len
         if meta.length != data_len:
             raise RecordError(f"metadata says {meta.length} bytes, record carries {data_len}")
         obj = self.connector.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt, busy_loop=False)
         if obj is None:
             raise RecordError("LMCache's local CPU buffer is full")
-        self.obj = obj
         dest = memoryview(obj.byte_array).cast("B")
         if len(dest) != data_len:
+            obj.ref_count_down()
             raise RecordError(f"LMCache allocated {len(dest)} bytes for a {data_len}-byte chunk")
-        self.dest = dest
-        start = HEADER_SIZE + prefix_len
-        self.hasher.update(buf[HEADER_SIZE:start])
-        return start
+        self.objs[index] = obj
+        return prefix_len, dest
 
-    def fail(self, why: str) -> None:
-        if self.failed is None:
-            self.failed = why
-            logger.warning("statestore: chunk %s discarded: %s", self.key_string, why)
-        self.release()
+    def close(self, index: int, ok: bool) -> None:
+        obj = self.objs[index]
+        if not ok and obj is not None:
+            self.objs[index] = None
+            obj.ref_count_down()
 
-    def release(self) -> None:
-        if self.obj is not None:
-            self.dest = None
-            self.obj.ref_count_down()
-            self.obj = None
-
-    def finish(self) -> MemoryObj | None:
-        if self.failed is None:
-            if self.dest is None or self.offset != len(self.dest):
-                self.fail(f"stream ended after {self.offset} bytes of the chunk")
-            elif self.hasher.intdigest() != self.checksum:
-                self.fail("payload checksum mismatch")
-        if self.failed is not None:
-            return None
-        obj, self.obj, self.dest = self.obj, None, None
-        return obj
+    def release_all(self) -> None:
+        for i in range(len(self.objs)):
+            self.close(i, False)
 
 
 class StateStoreConnector(RemoteConnector):
@@ -306,7 +259,6 @@ class StateStoreConnector(RemoteConnector):
         self.fingerprint = make_namespace_fingerprint(self.settings.namespace)
         self._key_secret = make_key_secret(self.settings.token)
         self._client: StateStoreClient | None = None
-        self._get_stream: Any = None
         self._registered = False
         self._down_until = 0.0
         self._backoff_s = self.settings.backoff_s
@@ -328,14 +280,10 @@ class StateStoreConnector(RemoteConnector):
             s = self.settings
             client = StateStoreClient(s.target, s.token, ClientOptions(
                 chunk_bytes=s.frame_bytes, max_message_bytes=s.frame_bytes + (64 << 10), timeout_s=s.timeout_s,
+                shm_bytes=s.shm_bytes,
                 extra_options=[("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                                ("grpc.max_reconnect_backoff_ms", 1000)]))
             client.open()
-            channel = client._channel  # the record data path: raw frames, as the client's own get_records
-            assert channel is not None
-            self._get_stream = channel.unary_stream(
-                _GET_METHOD, request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,
-                response_deserializer=None)
             self._client = client
         return self._client
 
@@ -361,7 +309,11 @@ class StateStoreConnector(RemoteConnector):
             return default
         try:
             result = await (asyncio.wait_for(call, timeout_s) if timeout_s else call)
-        except (ServiceError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, RecordError) as exc:
+        except (ServiceError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            self._failed(what, exc)
+            return default
+        except Exception as exc:  # noqa: BLE001 - the LMCache boundary: a miss, never an exception
+            logger.error("statestore %s: unexpected %s", what, _why(exc), exc_info=True)
             self._failed(what, exc)
             return default
         self._ok()
@@ -397,17 +349,9 @@ class StateStoreConnector(RemoteConnector):
 
     async def _prefix_hits(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many keys, from the first, statestore holds (one Lookup per 64K keys)."""
-        hits = 0
-        for start in range(0, len(keys), _LOOKUP_BATCH):
-            batch = [self.record_key(k)[2:] for k in keys[start:start + _LOOKUP_BATCH]]
-            info = await self._guarded("lookup", self._open().lookup(
-                batch, kinds=[_KIND], model_fingerprint=self.fingerprint), None, self.settings.lookup_timeout_s)
-            if info is None:
-                return hits
-            hits += info.combined_blocks
-            if info.combined_blocks < len(batch):
-                break
-        return hits
+        block_keys = [self.record_key(k)[2:] for k in keys]
+        return await self._guarded("lookup", self._open().count_prefix(block_keys, _KIND, model_fingerprint=self.fingerprint),
+                                   0, self.settings.lookup_timeout_s)
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return await self._prefix_hits([key]) == 1
@@ -429,43 +373,29 @@ class StateStoreConnector(RemoteConnector):
 
     # ----- put -----------------------------------------------------------------------------------
 
-    def _record_frames(self, key: CacheEngineKey, obj: MemoryObj) -> Iterator[Any]:
-        """The PutRecords messages of one chunk: a start, then data frames sliced from the buffer."""
+    def _payload(self, key: CacheEngineKey, obj: MemoryObj) -> PayloadPut:
+        """One chunk as a record: header, then the prefix and LMCache's buffer as they are (no copy)."""
         buf = memoryview(obj.byte_array).cast("B")
         meta = RemoteMetadata(len(buf), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
         prefix = pack_prefix(key.to_string(), meta)
-        hasher = xxhash.xxh3_64(prefix)
-        hasher.update(buf)
-        record_key = self.record_key(key)
         header = RecordHeader(kind=_KIND, codec=int(Codec.RAW), model_fingerprint=self.fingerprint,
-                              tenant_id=bytes(TENANT_BYTES), block_key=record_key[2:],
+                              tenant_id=bytes(TENANT_BYTES), block_key=self.record_key(key)[2:],
                               entry_count=len(buf) // self.single_token_size if self.single_token_size else 0,
                               raw_length=len(prefix) + len(buf))
-        encoded = encode_header(header, stored_length=header.raw_length, flags=0, checksum=hasher.intdigest())
-        step = self.settings.frame_bytes
-        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
-            key=record_key, total_bytes=HEADER_SIZE + header.raw_length, durability=int(self.settings.durability)))
-        first = max(0, step - HEADER_SIZE - len(prefix))
-        yield data_frame(encoded, prefix, buf[:first])
-        for offset in range(first, len(buf), step):
-            yield data_frame(buf[offset:offset + step])
+        return PayloadPut(header, (prefix, buf))
 
     async def _put_batch(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        async def frames() -> AsyncIterator[Any]:
-            for key, obj in zip(keys, objs):
-                for frame in self._record_frames(key, obj):
-                    yield frame
-
+        items = [self._payload(k, o) for k, o in zip(keys, objs)]
         client = self._open()
         await self._register()
         try:
-            await client.put_raw(frames())
+            await client.put_payloads(items, self.settings.durability)
         except ServiceError as exc:
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             self._registered = False  # the server restarted and forgot the namespace: register, retry once
             await self._register()
-            await client.put_raw(frames())
+            await client.put_payloads(items, self.settings.durability)
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         await self.batched_put([key], [memory_obj])
@@ -485,62 +415,18 @@ class StateStoreConnector(RemoteConnector):
     # ----- get -----------------------------------------------------------------------------------
 
     async def _fetch(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        for start in range(0, len(keys), _GET_BATCH):
-            batch = keys[start:start + _GET_BATCH]
-            got = await self._guarded("get", self._fetch_batch(batch), None)
-            if got is None:
-                out += [None] * (len(keys) - len(out))
-                break
-            out += got
-        return out
+        """The chunks (None for a miss); all None when statestore fails."""
+        sink = _ChunkSink(self, keys)
+        got = await self._guarded("get", self._fetch_into(keys, sink), None)
+        return sink.objs if got is not None else [None] * len(keys)
 
-    async def _fetch_batch(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        client = self._open()
-        record_keys = [self.record_key(k) for k in keys]
-        call = self._get_stream(statestore_pb2.GetRecordsRequest(keys=record_keys, chunk_bytes=self.settings.frame_bytes),
-                                metadata=client._metadata, timeout=self.settings.timeout_s)
-        out: list[MemoryObj | None] = []
-        current: _Incoming | None = None
+    async def _fetch_into(self, keys: Sequence[CacheEngineKey], sink: _ChunkSink) -> list[bool]:
         try:
-            async for frame in call:
-                data = split_data_frame(frame)
-                if data is not None:
-                    if current is not None:
-                        current.feed(data)
-                    continue
-                chunk = common_pb2.RecordChunk.FromString(frame)
-                if chunk.WhichOneof("part") == "data":
-                    if current is not None:
-                        current.feed(chunk.data)
-                    continue
-                if current is not None:
-                    out.append(current.finish())
-                    current = None
-                if len(out) >= len(keys):
-                    raise RecordError("the server sent more records than asked for")
-                if chunk.start.found:
-                    if bytes(chunk.start.key) != record_keys[len(out)]:
-                        raise RecordError("the server answered another key")
-                    current = _Incoming(self, keys[len(out)].to_string(), chunk.start.total_bytes)
-                else:
-                    out.append(None)
-            if current is not None:
-                out.append(current.finish())
-                current = None
+            return await self._open().get_payloads_into([self.record_key(k) for k in keys], sink,
+                                                          head_bytes=_HEAD_BYTES)
         except BaseException:
-            if current is not None:
-                current.release()
-            for obj in out:
-                if obj is not None:
-                    obj.ref_count_down()
+            sink.release_all()  # a failed call delivers nothing: no buffer stays allocated
             raise
-        if len(out) != len(keys):
-            for obj in out:
-                if obj is not None:
-                    obj.ref_count_down()
-            raise RecordError(f"the server answered {len(out)} of {len(keys)} keys")
-        return out
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return (await self._fetch([key]))[0]
@@ -569,28 +455,10 @@ class StateStoreConnector(RemoteConnector):
     # ----- list, remove, ping, close -------------------------------------------------------------
 
     async def _key_string(self, record_key: bytes) -> str | None:
-        """The LMCache key inside one record: reads its first frame only, then cancels the stream."""
-        call = self._get_stream(statestore_pb2.GetRecordsRequest(keys=[record_key], chunk_bytes=4096),
-                                metadata=self._open()._metadata, timeout=self.settings.timeout_s)
-        head = bytearray()
-        try:
-            async for frame in call:
-                data = split_data_frame(frame)
-                if data is None:
-                    chunk = common_pb2.RecordChunk.FromString(frame)
-                    if chunk.WhichOneof("part") == "start":
-                        if not chunk.start.found:
-                            return None
-                        continue
-                    data = memoryview(chunk.data)
-                head += data
-                if len(head) >= HEADER_SIZE:
-                    parsed = unpack_prefix(memoryview(head)[HEADER_SIZE:])
-                    if parsed is not None:
-                        return parsed[1]
-            return None
-        finally:
-            call.cancel()
+        """The LMCache key inside one record: reads only its header and prefix."""
+        head = await self._open().read_head(record_key, _HEAD_BYTES)
+        parsed = unpack_prefix(head[1]) if head is not None else None
+        return parsed[1] if parsed is not None else None
 
     async def _list(self) -> list[str]:
         infos, _ = await self._open().list_records(kind=_KIND, limit=100_000)

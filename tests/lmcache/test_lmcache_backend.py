@@ -112,6 +112,7 @@ def test_chunks_come_back_bit_exactly_from_statestore(lm: LMCacheHarness, stored
             obj.ref_count_down()
     objs = on_loop(lm, lm.connector.batched_get(list(stored)))
     assert [bytes(o.byte_array) for o in objs] == list(stored.values())
+    assert lm.connector._client.shm_active  # same host: the bytes moved through shared memory
     assert [list(o.get_shapes()[0]) for o in objs][-1] == [2, 4, 232, 64]  # the partial chunk keeps its shape
     for o in objs:
         o.ref_count_down()
@@ -228,17 +229,18 @@ def test_lmcache_local_disk_backend_loses_its_chunks_on_restart(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("piece_bytes", [7, 200, 1 << 20])
-def test_incoming_chunk_reassembles_from_any_split(piece_bytes: int) -> None:
-    """The get path's parser: a record split anywhere (header, prefix, data) lands bit-exactly in
-    the buffer LMCache allocates; a flipped bit is a miss and the buffer is released."""
+def test_chunk_sink_takes_a_chunk_from_any_split(piece_bytes: int) -> None:
+    """The get path: a record split anywhere (header, prefix, data) lands bit-exactly in the
+    buffer the connector's sink allocates from LMCache once the prefix is read; a flipped bit
+    is a miss and the buffer is released."""
     import torch
-    import xxhash
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
 
     from engine_adapter.base import StateKind
-    from statestore.integrations.lmcache import _Incoming, make_namespace_fingerprint
-    from tiers.record import RecordHeader, encode_header
+    from statestore.integrations.lmcache import _ChunkSink, make_namespace_fingerprint
+    from statestore.payloads import PayloadPut, _Incoming
+    from tiers.record import RecordHeader
 
     init_remote_metadata_info(1)
     data = torch.randint(0, 255, (2 * 3 * 5 * 64,), dtype=torch.uint8).numpy().tobytes()
@@ -248,8 +250,8 @@ def test_incoming_chunk_reassembles_from_any_split(piece_bytes: int) -> None:
     fingerprint = make_namespace_fingerprint("t")
     header = RecordHeader(kind=int(StateKind.OPAQUE), codec=0, model_fingerprint=fingerprint, tenant_id=bytes(16),
                           block_key=bytes(32), raw_length=len(prefix) + len(data))
-    encoded = encode_header(header, stored_length=header.raw_length, flags=0,
-                            checksum=xxhash.xxh3_64_intdigest(prefix + data)) + prefix + data
+    put = PayloadPut(header, (prefix, data))
+    encoded = put.encode_header() + prefix + data
 
     class Obj:
         def __init__(self, n: int) -> None:
@@ -269,16 +271,38 @@ def test_incoming_chunk_reassembles_from_any_split(piece_bytes: int) -> None:
     class Connector:
         local_cpu_backend = Backend()
 
+    class Key:
+        def to_string(self) -> str:
+            return key
+
     Connector.fingerprint = fingerprint  # type: ignore[attr-defined]
     for corrupt in (False, True):
         wire = bytearray(encoded)
         if corrupt:
             wire[-3] ^= 1
-        incoming = _Incoming(Connector(), key, len(wire))  # type: ignore[arg-type]
+        sink = _ChunkSink(Connector(), [Key()])  # type: ignore[arg-type, list-item]
+        incoming = _Incoming(0, header.key, len(wire), sink, 4096)
         for offset in range(0, len(wire), piece_bytes):
-            incoming.feed(bytes(wire[offset:offset + piece_bytes]))
-        obj = incoming.finish()
+            incoming.feed(memoryview(bytes(wire[offset:offset + piece_bytes])))
+        ok = incoming.finish()
         if corrupt:
-            assert obj is None and allocated[-1].released and incoming.failed == "payload checksum mismatch"
+            assert not ok and sink.objs == [None] and allocated[-1].released
+            assert incoming.failed == "payload checksum mismatch"
         else:
-            assert obj is allocated[-1] and bytes(obj.byte_array) == data and not obj.released
+            obj = sink.objs[0]
+            assert ok and obj is allocated[-1] and bytes(obj.byte_array) == data and not obj.released
+
+
+def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess) -> None:
+    """shm_bytes 0: the same chunks through gRPC frames only (the path a remote server takes)."""
+    lm = LMCacheHarness(make_lmcache_config(server.target, namespace="no-shm", shm_bytes=0), make_lmcache_metadata())
+    try:
+        expect = lm.store(list(range(600)), seed=11)
+        lm.wait_stored(list(expect))
+        objs = on_loop(lm, lm.connector.batched_get(list(expect)))
+        assert [bytes(o.byte_array) for o in objs] == list(expect.values())
+        for o in objs:
+            o.ref_count_down()
+        assert lm.connector._client is not None and not lm.connector._client.shm_active
+    finally:
+        lm.close()
