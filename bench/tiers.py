@@ -1,6 +1,6 @@
 """Tier put/get bandwidth, each against a reference measured in the same run (DESIGN §7).
 
-    python -m bench.tiers [--quick] [--dir DIR] [--redis-url URL] [--skip-redis]
+    python -m bench.tiers [--quick] [--dir DIR] [--redis-url URL] [--skip-redis] [--only ssd] [--sizes 256K,1M]
 
 References run on the same bytes (the encoded record) and, for SSD, in the same directory:
 
@@ -18,16 +18,27 @@ the ratio is the median over rounds of the per-round ratio. SSD gets are cold: t
 files are dropped from the page cache first (posix_fadvise DONTNEED), as O_DIRECT reads are.
 Three more SSD sides explain the gap (they are not references for the floors):
 `vs_protocol` compares the tier with its own durable protocol for a new key
-(`tiers._fs.write_new`: create in place, fdatasync, directory fsync, the latter on a second
-thread from 1 MiB as in the tier) as plain synchronous code, so `ratio` / `vs_protocol` is
-what the protocol costs; `vs_nodirsync` is the same protocol without the directory fsync
-(what POSIX needs for the new name and the references skip), so `vs_protocol` /
-`vs_nodirsync` is how much longer the protocol takes with that fsync; `vs_async` compares
-the tier with the same work (protocol for puts, O_DIRECT read for gets) awaited through a
-thread pool per operation (`loop.run_in_executor`, as the tier does), so `vs_async` is what
-the tier's own bookkeeping and verification cost beyond the thread hop (at qd 4 the tier's
+(`tiers._fs.write_spare`: write into a spare file made durable ahead of time, fdatasync,
+rename to the record's name; the spares are made between rounds, untimed, as the tier's
+pool is refilled in the background) as plain synchronous code, so `ratio` / `vs_protocol`
+is what the tier costs beyond its protocol; `vs_dirsync` is the protocol the tier used
+before the spares, and still uses when its pool is empty (`tiers._fs.write_new`: create in
+place, fdatasync, directory fsync, the latter on a second thread from 1 MiB), so
+`vs_protocol` / `vs_dirsync` is what the spares save; `vs_async` compares the tier with the
+same work (protocol for puts, O_DIRECT read for gets) awaited through a thread pool per
+operation (`loop.run_in_executor`, as the tier does), so `vs_async` is what the tier's own
+bookkeeping and verification cost beyond the thread hop (at qd 4 the tier's
 `put_many`/`get_many` take one hop per share of the batch, not per record: there
-`vs_async` above 1 is the hops they save).
+`vs_async` above 1 is the hops they save). The tier's timed puts include the refills of
+its spare pool that fall inside a round (one batch of creates and one directory fsync
+whenever half the pool has been claimed).
+
+The process runs with the allocator setting of the service the tiers live in
+(`statestore.allocator.keep_large_buffers_in_heap`, applied by `StateStoreServer.start`):
+a get returns a fresh payload buffer, and without it glibc maps (and faults in, 256 pages
+per MiB) a new one for every large record, which cost a 1 MiB SSD get ~0.5 ms on top of its
+~1.2 ms read on the development VM. The references allocate nothing per operation, so the
+setting only makes the tiers' own allocations what they are in the service.
 
 Also measured: zstd levels 1 and 3 on real FP4 payloads (E2M1 codes + E4M3 scales of
 Gaussian rows), which is why no kind is compressed by default.
@@ -42,8 +53,9 @@ import mmap
 import os
 import shutil
 import statistics
+import itertools
+import json
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -54,9 +66,10 @@ from typing import Any
 
 import zstandard
 
-from bench.common import Floor, print_floors, print_table, write_results
+from bench.common import RESULTS_DIR, Floor, print_floors, print_table, write_results
+from statestore.allocator import keep_large_buffers_in_heap
 from tiers.record import Record, encode_record, make_record
-from tiers._fs import write_new
+from tiers._fs import make_spares, write_new, write_spare
 from tiers.ssd import OVERLAP_DIR_SYNC_MIN_BYTES, SSDTier
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
@@ -76,6 +89,8 @@ class Params:
     qds: tuple[int, ...]
     dir: str
     redis_url: str | None
+    only: tuple[str, ...] = ("ssd", "redis", "host", "zstd")
+    write: bool = True
 
     def num_records(self, size: int) -> int:
         return max(self.min_records, min(self.max_records, self.bytes_per_case // size))
@@ -224,29 +239,6 @@ async def run_async_pool(qd: int, fn: Callable[[int], None], n: int) -> float:
         return time.perf_counter() - started
 
 
-_scratch = threading.local()
-
-
-def put_new_no_dirsync(path: str, data: bytes, direct: bool) -> None:
-    """`tiers._fs.write_new` without its directory fsync: create in place (O_EXCL), copy
-    into this thread's aligned buffer and O_DIRECT-write it (or write buffered), fdatasync."""
-    if not direct:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, data)
-    else:
-        padded = -(-len(data) // ALIGN) * ALIGN
-        if getattr(_scratch, "buf", None) is None or len(_scratch.buf) < padded:
-            _scratch.buf = mmap.mmap(-1, padded)
-        buf = _scratch.buf
-        buf[: len(data)] = data
-        buf[len(data): padded] = bytes(padded - len(data))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        os.write(fd, memoryview(buf)[:padded])
-        os.ftruncate(fd, len(data))
-    os.fdatasync(fd)
-    os.close(fd)
-
-
 def unlink_all(paths: Sequence[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
@@ -285,16 +277,24 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
     direct = tier._direct_io_min_bytes is not None and len(data) >= tier._direct_io_min_bytes
     names = [str(p) for p in paths]
     dir_sync = ThreadPoolExecutor(qd) if len(data) >= OVERLAP_DIR_SYNC_MIN_BYTES else None
+    spare_dir = base / f"spares-{size}-{qd}"
+    spare_dir.mkdir()
+    spare_names = (f"{i:x}.spare" for i in itertools.count())
+    spares: list[str] = []  # one per record, made between rounds (untimed)
 
     def durable(i: int) -> None:
+        write_spare(spares[i], names[i], [data], direct=direct)
+
+    def durable_dirsync(i: int) -> None:
         assert write_new(names[i], [data], direct=direct, dir_sync=dir_sync)
 
     async def protocol() -> float:
-        """The tier's own durable protocol for a new key (in place, fdatasync, dir fsync) in plain code."""
+        """The tier's own durable protocol for a new key (into a spare, fdatasync, rename) in plain code."""
         return await asyncio.to_thread(run_pool, qd, durable, n)
 
-    async def no_dirsync() -> float:
-        return await asyncio.to_thread(run_pool, qd, lambda i: put_new_no_dirsync(names[i], data, direct), n)
+    async def dirsync() -> float:
+        """The protocol without spares (in place, fdatasync, directory fsync)."""
+        return await asyncio.to_thread(run_pool, qd, durable_dirsync, n)
 
     async def async_protocol() -> float:
         return await run_async_pool(qd, durable, n)
@@ -313,12 +313,15 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         await asyncio.to_thread(unlink_all, paths)
         for r in records:
             await tier.delete(r.key)
+        spares[:] = [s for s in spares if os.path.exists(s)]
+        spares.extend(await asyncio.to_thread(make_spares, spare_dir, [next(spare_names) for _ in range(n - len(spares))]))
 
     try:
+        await clear()
         puts = await measure(p.rounds, {"buffered write+fsync": ref_buffered, "O_DIRECT write+fdatasync": ref_direct,
-                                        "protocol": protocol, "nodirsync": no_dirsync, "async": async_protocol,
+                                        "protocol": protocol, "dirsync": dirsync, "async": async_protocol,
                                         "tier": lambda: _timed_puts(tier, records, qd)},
-                             clear, info=("protocol", "nodirsync", "async"))
+                             clear, info=("protocol", "dirsync", "async"))
         for i in range(n):  # both sides written for the get rounds
             ref_put_direct(paths[i], buf, padded, len(data))
         await _timed_puts(tier, records, qd)
@@ -522,11 +525,41 @@ def parse_args(argv: Sequence[str] | None) -> Params:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where SSD files go (a temp dir inside)")
     ap.add_argument("--redis-url", default=os.environ.get("STATESTORE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--only", default="ssd,redis,host,zstd",
+                    help="comma-separated parts to run (ssd, redis, host, zstd); default all")
+    ap.add_argument("--sizes", default=",".join(label(s) for s in SIZES),
+                    help="comma-separated record sizes, e.g. 256K,1M (default: all)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per case (default 11, 5 with --quick)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave bench/results/tiers.json alone")
     a = ap.parse_args(argv)
-    return Params(quick=a.quick, sizes=tuple(SIZES), bytes_per_case=(8 << 20) if a.quick else (32 << 20),
+    only = tuple(part.strip() for part in a.only.split(",") if part.strip())
+    unknown = set(only) - {"ssd", "redis", "host", "zstd"}
+    if unknown:
+        ap.error(f"--only: unknown parts {sorted(unknown)}")
+    try:
+        sizes = tuple(parse_size(x) for x in a.sizes.split(",") if x.strip())
+    except ValueError as exc:
+        ap.error(f"--sizes: {exc}")
+    if not sizes:
+        ap.error("--sizes: no size given")
+    rounds = a.rounds if a.rounds is not None else 5 if a.quick else 11
+    if rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return Params(quick=a.quick, sizes=sizes, bytes_per_case=(8 << 20) if a.quick else (32 << 20),
                   min_records=4 if a.quick else 8, max_records=32 if a.quick else 128,
-                  rounds=5 if a.quick else 11, qds=(1, 4), dir=a.dir,
-                  redis_url=None if a.skip_redis else a.redis_url)
+                  rounds=rounds, qds=(1, 4), dir=a.dir,
+                  redis_url=None if a.skip_redis or "redis" not in only else a.redis_url, only=only,
+                  write=not a.no_write)
+
+
+def parse_size(text: str) -> int:
+    """"256K", "1M", "4096" -> bytes (K and M are binary)."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    digits = text[:-1] if scale != 1 else text
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"{text!r} is not a size like 256K or 1M")
+    return int(digits) * scale
 
 
 def redis_problem(url: str) -> str | None:
@@ -542,7 +575,8 @@ def redis_problem(url: str) -> str | None:
 
 async def run(p: Params) -> None:
     started = time.perf_counter()
-    rows = await bench_ssd(p)
+    heap = keep_large_buffers_in_heap()
+    rows = await bench_ssd(p) if "ssd" in p.only else []
     notes = []
     if p.redis_url and (problem := redis_problem(p.redis_url)) is None:
         rows += await bench_redis(p)
@@ -550,14 +584,21 @@ async def run(p: Params) -> None:
         notes.append(f"redis skipped: {problem}")
     import importlib.util
 
-    if importlib.util.find_spec("tiers.host") is not None:
+    if "host" not in p.only:
+        pass
+    elif importlib.util.find_spec("tiers.host") is not None:
         rows += await bench_host(p)
     else:
         notes.append("host skipped: tiers.host does not exist")
-    zstd_rows = bench_zstd(p)
+    zstd_rows = bench_zstd(p) if "zstd" in p.only else []
+    run_date = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    rows = [r | {"run": run_date} for r in rows]
+    merged_from = None
+    if p.write and (set(p.only) != {"ssd", "redis", "host", "zstd"} or p.sizes != tuple(SIZES)):
+        rows, zstd_rows, merged_from = merge_previous(rows, zstd_rows)
     floors = make_floors(rows)
     cols = ["tier", "op", "qd", "size", "n", "gbps", "ops_s", "ref", "ref_gbps", "ratio", "vs_protocol",
-            "vs_nodirsync", "vs_async"]
+            "vs_dirsync", "vs_async"]
     print_table(rows, cols)
     print()
     print_table(zstd_rows, ["payload", "level", "bytes", "ratio", "compress_gbps", "decompress_gbps"])
@@ -565,10 +606,32 @@ async def run(p: Params) -> None:
     print_floors(floors)
     for note in notes:
         print(note)
-    params = asdict(p) | {"disk": disk_info(p.dir), "notes": notes,
+    params = asdict(p) | {"disk": disk_info(p.dir), "notes": notes, "merged_from": merged_from,
+                          "large_buffers_in_heap": heap,
                           "zstd": zstd_rows, "wall_s": round(time.perf_counter() - started, 1)}
+    if not p.write:
+        print(f"not written ({params['wall_s']} s)")
+        return
     path = write_results("tiers", device="cpu", params=params, rows=rows, floors=floors)
     print(f"wrote {path} in {params['wall_s']} s (median ratio {statistics.median(r['ratio'] for r in rows):.2f})")
+
+
+def merge_previous(rows: list[dict[str, Any]],
+                   zstd_rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """A partial run (--only, --sizes) replaces its own cases in the previous results and
+    keeps the others, each row with the date of the run that measured it (`run`)."""
+    path = RESULTS_DIR / "tiers.json"
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows, zstd_rows, None
+    def case(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["tier"], r["op"], r["qd"], r["size_bytes"]
+    fresh = {case(r) for r in rows}
+    kept = [r | {"run": r.get("run", previous["date"])} for r in previous.get("rows", []) if case(r) not in fresh]
+    order = {t: i for i, t in enumerate(("ssd", "redis", "host"))}
+    merged = sorted(rows + kept, key=lambda r: (order.get(r["tier"], 9), r["size_bytes"], r["qd"], r["op"] != "put"))
+    return merged, zstd_rows or previous.get("params", {}).get("zstd", []), previous["date"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
