@@ -95,6 +95,34 @@ def test_page_pool_returns_an_empty_slab_to_the_budget() -> None:
     assert pool.allocate(1) == [0]  # slot 0 reused
 
 
+def test_page_pool_reuses_a_released_slabs_memory_outside_the_budget() -> None:
+    budget = ByteBudget(10_000)
+    pool = PagePool(100, budget, slab_bytes=400)
+    ids = pool.allocate(4)
+    buf = pool._slabs[0].buf  # type: ignore[union-attr]
+    pool.free(ids)
+    assert pool.num_slabs == 0 and budget.held_bytes == 0 and pool.arena_bytes == 0  # the budget got it back
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    assert pool._slabs[0].buf is buf and budget.held_bytes == 400  # the same (warm) memory, held again
+    pool.free(pool.allocate(4))  # a second slab: one spare is kept, the other mapping is closed
+    pool.free([0, 1, 2, 3])
+    assert budget.held_bytes == 0 and pool._spare is not None
+
+
+def test_page_pool_maps_fresh_memory_when_the_spare_has_another_size() -> None:
+    budget = ByteBudget(700)
+    pool = PagePool(100, budget, slab_bytes=400)
+    full = pool.allocate(4)
+    cut = pool.allocate(3)  # the budget allows a 300 B slab only
+    spare = pool._slabs[1].buf  # type: ignore[union-attr]
+    pool.free(cut)  # the 300 B slab's memory is the spare
+    pool.free(full)
+    assert pool._spare is spare and budget.held_bytes == 0
+    pool.allocate(4)  # a 400 B slab: the spare does not fit, fresh memory
+    buf = pool._slabs[0].buf  # type: ignore[union-attr]
+    assert buf is not spare and len(buf) == 400 and pool._spare is None  # type: ignore[arg-type]
+
+
 def test_page_pool_last_slab_is_cut_to_the_budget() -> None:
     budget = ByteBudget(650)
     pool = PagePool(100, budget, slab_bytes=400)
