@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 # multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo test test-lmcache bench clean proto
+.PHONY: install demo test test-lmcache bench-lmcache bench clean proto
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,7 @@ test: install
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-lmcache
 
-# LMCache interop (tests/lmcache, bench/lmcache.py) runs in a second venv: LMCache 0.5.6 pins
+# LMCache interop (tests/lmcache, bench/lmcache_compare.py) runs in a second venv: LMCache 0.5.6 pins
 # grpcio==1.78.0, protobuf<7, numpy<=2.2.6. Its light route: the deps LMCache imports on the CPU and
 # our runtime deps held to its pins, then lmcache and our package without their declared deps
 # (LMCache declares CUDA, cloud and telemetry packages it does not import here).
@@ -49,6 +49,10 @@ $(LMCACHE_VENV)/.installed: pyproject.toml
 # STATESTORE_REQUIRE_LMCACHE=1: a missing lmcache fails these tests instead of skipping them.
 test-lmcache: $(LMCACHE_VENV)/.installed
 	STATESTORE_REQUIRE_LMCACHE=1 PYTHONHASHSEED=0 $(LBIN)/python -m pytest -q tests/lmcache
+
+# statestore behind LMCache against LMCache's own tiers (needs Redis on 127.0.0.1:6379). ARGS=--quick
+bench-lmcache: $(LMCACHE_VENV)/.installed
+	PYTHONHASHSEED=0 $(LBIN)/python -m bench.lmcache_compare $(ARGS)
 
 proto: install
 	PYTHON=$(BIN)/python scripts/gen_proto.sh

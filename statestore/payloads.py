@@ -117,12 +117,13 @@ def put_frames(encoded_header: bytes, parts: Sequence[Buffer], step: int) -> Ite
         yield data_frame(*pending)
 
 
-def _copy_parts(buf: Any, offset: int, header: bytes, parts: Sequence[Buffer]) -> None:
+def _copy_into_slot(buf: Any, offset: int, item: PayloadPut) -> None:
+    """The encoded record (header with its checksum, then the parts) into its shm slot."""
     view = memoryview(buf)
     try:
-        view[offset:offset + HEADER_SIZE] = header
+        view[offset:offset + HEADER_SIZE] = item.encode_header()
         at = offset + HEADER_SIZE
-        for part in parts:
+        for part in item.parts:
             flat = _flat(part)
             view[at:at + len(flat)] = flat
             at += len(flat)
@@ -312,10 +313,10 @@ class PayloadTransport:
         for item in items:
             at = slots.take(item.total_bytes)
             assert at is not None, "the lease was sized for every item"
-            if item.total_bytes >= COPY_OFF_LOOP_BYTES:
-                await asyncio.to_thread(_copy_parts, region.buf, at, item.encode_header(), item.parts)
+            if item.total_bytes >= COPY_OFF_LOOP_BYTES:  # checksum and copy off the loop
+                await asyncio.to_thread(_copy_into_slot, region.buf, at, item)
             else:
-                _copy_parts(region.buf, at, item.encode_header(), item.parts)
+                _copy_into_slot(region.buf, at, item)
         starts = [self._codec.start_frame(i.header.key, i.total_bytes, durability, pin) for i in items]
         return await self._put(iter(starts), metadata=(*self._metadata, window.to_metadata()), timeout=self._timeout)
 

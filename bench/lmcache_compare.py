@@ -1,0 +1,405 @@
+"""LMCache as the baseline (issue 9): the same chunks through LMCache 0.5.6's own tiers and
+through statestore behind LMCache (our plugin), in one run.
+
+    .venv-lmcache/bin/python -m bench.lmcache_compare [--quick] [--chunks N] [--models a,b]
+    (make test-lmcache builds .venv-lmcache; Redis must answer on 127.0.0.1:6379)
+
+Payloads: random bf16 LMCache chunks of 256 tokens, in LMCache's layout:
+- `conventional`: `[2, 32 layers, 256, 8 heads x 128]` = 32 MiB (a Llama-8B-class GQA model);
+- `v41-like`: MLA `[1, 61 layers, 256, 576]` = 17.2 MiB (DeepSeek-V3/V4-class latent KV as
+  LMCache holds it under vLLM, 70,272 B/token; statestore's own V4.1 records keep 890 B/token).
+
+Paths (each: put every chunk, one at a time, waiting for it to be stored; then get each):
+- `lmcache-cpu`: LocalCPUBackend (keeps references: no copy, nothing durable);
+- `lmcache-disk`, `lmcache-disk-odirect`: LocalDiskBackend (files without fsync; index in memory);
+- `lmcache-redis`: LMCache's `redis://` connector (`remote_url`) on the local Redis. It writes two
+  keys per chunk and hangs in `close()` in 0.5.6, so it runs in a child process that exits
+  without closing (killed after a timeout);
+- `statestore-host` / `-ssd` / `-redis`: LMCache's RemoteBackend with our plugin
+  (`statestore.integrations.lmcache`) against `statestore serve` in a child process, at durability
+  memory (host tier), local (SSD tier: fdatasync before the ack) and shared (Redis tier, the same
+  Redis). For the SSD and Redis paths the server's host tier is smaller than one chunk, so the
+  bytes go to the tier measured and gets read from it; the plugin moves them through same-host
+  shared memory (statestore/shm.py);
+- `statestore-ssd-grpc`: the SSD path with the plugin's shared memory off (gRPC frames: what a
+  client on another host gets).
+
+`restart_found` counts the chunks found again after a restart: a new LMCache StorageManager on the
+same disk directory, or a statestore server killed with SIGKILL and started on the same data
+directory. Reads of files (LMCache's disk without O_DIRECT, statestore's SSD tier) come from the
+page cache right after the write, for both. Figures on the shared 2-core CPU are relative only.
+
+Floors (issue 9): statestore's SSD path >= LMCache's local disk with O_DIRECT, put and get;
+statestore over Redis >= LMCache's `redis://`, put and get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import Floor, print_floors, print_table, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK_TOKENS = 256
+MODELS: dict[str, dict[str, Any]] = {
+    "conventional": {"layers": 32, "heads": 8, "head_dim": 128, "use_mla": False},
+    "v41-like": {"layers": 61, "heads": 1, "head_dim": 576, "use_mla": True},
+}
+PLUGIN = "statestore"
+REDIS_URL = "redis://127.0.0.1:6379"
+CHILD_TIMEOUT_S = 600
+
+
+class Server:
+    """`statestore serve` in a child process (a sidecar, as deployed), on a loopback port."""
+
+    def __init__(self, data_dir: Path, *, host_budget_bytes: int, redis_prefix: str = "", port: int = 0) -> None:
+        self.data_dir, self.port = data_dir, port
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(host_budget_bytes),
+                    "STATESTORE_SERVER_MAX_STREAM_BYTES": str(1 << 30)}
+        if redis_prefix:
+            self.env.update(STATESTORE_STORAGE_REDIS_URL=REDIS_URL, STATESTORE_STORAGE_REDIS_PREFIX=redis_prefix)
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "statestore.cli", "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir",
+             str(self.data_dir), "--preset", "mini"], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        match = re.search(r"serving on 127\.0\.0\.1:(\d+)", line)
+        if match is None:
+            self.proc.kill()
+            raise RuntimeError(f"statestore did not start: {line}{self.proc.stdout.read()}")
+        self.port = int(match.group(1))
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=60)
+
+
+def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None = None, odirect: bool = False,
+                 target: str = "", durability: str = "local", shm_bytes: int = 256 << 20,
+                 redis: bool = False) -> Any:
+    """LMCache's StorageManager from a config dict, as a user's YAML gives it."""
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    doc: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": cpu_bytes / 1e9,
+                           "remote_serde": "naive", "blocking_timeout_secs": 120, "extra_config": {}}
+    if disk_dir is not None:
+        doc.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=cpu_bytes / 1e9)
+        doc["extra_config"]["use_odirect"] = odirect
+    if redis:
+        doc["remote_url"] = REDIS_URL
+    if target:
+        p = f"remote_storage_plugin.{PLUGIN}."
+        doc["remote_storage_plugins"] = [PLUGIN]
+        doc["extra_config"].update({p + "module_path": "statestore.integrations.lmcache",
+                                    p + "class_name": "StateStoreConnector", p + "target": target,
+                                    p + "namespace": f"bench-{durability}", p + "durability": durability,
+                                    p + "timeout_s": 120.0, p + "lookup_timeout_s": 10.0, p + "shm_bytes": shm_bytes})
+    metadata = LMCacheMetadata(
+        model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=torch.bfloat16, use_mla=model["use_mla"],
+        kv_shape=(model["layers"], 1 if model["use_mla"] else 2, CHUNK_TOKENS, model["heads"], model["head_dim"]))
+    return StorageManager(LMCacheEngineConfig.from_dict(doc), metadata, EventManager())
+
+
+def chunk_shape(model: dict[str, Any]) -> torch.Size:
+    return torch.Size([1 if model["use_mla"] else 2, model["layers"], CHUNK_TOKENS, model["heads"] * model["head_dim"]])
+
+
+def make_payloads(model: dict[str, Any], num_chunks: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(chunk_shape(model), generator=gen).to(torch.bfloat16) for _ in range(num_chunks)]
+
+
+def make_keys(num_chunks: int, salt: int) -> list[Any]:
+    from lmcache.utils import CacheEngineKey
+
+    return [CacheEngineKey("bench", 1, 0, (salt << 32) + i, torch.bfloat16) for i in range(num_chunks)]
+
+
+def fill(manager: Any, model: dict[str, Any], payload: torch.Tensor) -> Any:
+    from lmcache.v1.memory_management import MemoryFormat
+
+    obj = manager.allocate(chunk_shape(model), torch.bfloat16,
+                           fmt=MemoryFormat.KV_MLA_FMT if model["use_mla"] else MemoryFormat.KV_2LTD)
+    assert obj is not None, "LMCache's CPU buffer is full"
+    obj.tensor.copy_(payload)
+    return obj
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a put did not complete")
+        time.sleep(0.0005)
+
+
+class Timings:
+    """Per-chunk put and get seconds of one path."""
+
+    def __init__(self) -> None:
+        self.put_s: list[float] = []
+        self.get_s: list[float] = []
+        self.exact = True
+
+    def check(self, obj: Any, payload: torch.Tensor) -> None:
+        self.exact = self.exact and obj is not None and torch.equal(obj.tensor, payload)
+        if obj is not None:
+            obj.ref_count_down()
+
+    def row(self, model: str, path: str, chunk_bytes: int, **extra: Any) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float:
+            return sorted(xs)[min(len(xs) - 1, round(q * (len(xs) - 1)))] * 1e3
+
+        return {"model": model, "path": path, "chunks": len(self.put_s), "chunk_MiB": round(chunk_bytes / 2**20, 2),
+                "put_GBps": chunk_bytes * len(self.put_s) / sum(self.put_s) / 1e9,
+                "get_GBps": chunk_bytes * len(self.get_s) / sum(self.get_s) / 1e9,
+                "put_p50_ms": statistics.median(self.put_s) * 1e3, "put_p99_ms": pct(self.put_s, 0.99),
+                "get_p50_ms": statistics.median(self.get_s) * 1e3, "get_p99_ms": pct(self.get_s, 0.99),
+                "bit_exact": self.exact, **extra}
+
+
+def run_local(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str,
+              salt: int) -> tuple[Timings, list[Any]]:
+    """LMCache's own LocalCPUBackend or LocalDiskBackend: put (until contained), then get."""
+    backend = manager.storage_backends[location]
+    keys, t = make_keys(len(payloads), salt), Timings()
+    for key, payload in zip(keys, payloads):
+        obj = fill(manager, model, payload)
+        t0 = time.perf_counter()
+        manager.batched_put([key], [obj], location=location)
+        wait_until(lambda: backend.contains(key))
+        t.put_s.append(time.perf_counter() - t0)  # the backend took our reference (CPU: keeps the object)
+    for key, payload in zip(keys, payloads):
+        t0 = time.perf_counter()
+        obj = manager.get(key, location=location)
+        t.get_s.append(time.perf_counter() - t0)
+        t.check(obj, payload)
+    return t, keys
+
+
+def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str, salt: int,
+               before_get: Callable[[list[Any]], None] | None = None) -> tuple[Timings, list[Any]]:
+    """A RemoteBackend (our plugin or LMCache's redis://): each put waits for its future."""
+    remote = manager.storage_backends[location]
+    keys, t = make_keys(len(payloads), salt), Timings()
+    for key, payload in zip(keys, payloads):
+        obj = fill(manager, model, payload)
+        t0 = time.perf_counter()
+        remote.submit_put_task(key, obj).result(300)
+        t.put_s.append(time.perf_counter() - t0)
+        obj.ref_count_down()
+    assert remote.batched_contains(keys) == len(keys), f"{location}: not every put was stored"
+    if before_get is not None:
+        before_get(keys)
+    for key, payload in zip(keys, payloads):
+        t0 = time.perf_counter()
+        obj = remote.get_blocking(key)
+        t.get_s.append(time.perf_counter() - t0)
+        t.check(obj, payload)
+    return t, keys
+
+
+def cpu_bytes_for(model: dict[str, Any], num_chunks: int) -> int:
+    return 2 * num_chunks * chunk_shape(model).numel() * 2 + (256 << 20)
+
+
+def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, Any]]:
+    model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
+    chunk_bytes = payloads[0].numel() * 2
+    rows = []
+    for odirect in (False, True):
+        disk = work / f"lmcache-disk-{name}-{int(odirect)}"
+        manager = make_manager(model, cpu_bytes_for(model, num_chunks), disk_dir=disk, odirect=odirect)
+        try:
+            if not odirect:
+                t, _ = run_local(manager, model, payloads, "LocalCPUBackend", 1)
+                rows.append(t.row(name, "lmcache-cpu", chunk_bytes, durable=False, restart_found=0))
+            t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 2)
+        finally:
+            manager.close()
+        again = make_manager(model, cpu_bytes_for(model, 1), disk_dir=disk, odirect=odirect)
+        try:  # a restart: a new StorageManager on the same directory
+            found = again.storage_backends["LocalDiskBackend"].batched_contains(keys)
+        finally:
+            again.close()
+        rows.append(t.row(name, "lmcache-disk-odirect" if odirect else "lmcache-disk", chunk_bytes, durable=False,
+                          restart_found=found))
+        shutil.rmtree(disk, ignore_errors=True)
+    return rows
+
+
+def evict_from(target: str, loop: asyncio.AbstractEventLoop, connector: Any, tiers: Sequence[str]) -> Callable[[list[Any]], None]:
+    """Drop the chunks' copies in `tiers` on the server, so gets read the tier measured."""
+    from statestore.client import StateStoreClient
+
+    def run(keys: list[Any]) -> None:
+        async def go() -> None:
+            async with StateStoreClient(target) as c:
+                await c.evict([connector.record_key(k) for k in keys], list(tiers), force=True)
+
+        asyncio.run_coroutine_threadsafe(go(), loop).result(120)
+    return run
+
+
+def resident_tiers(target: str, loop: asyncio.AbstractEventLoop) -> str:
+    """The server's tiers that hold OPAQUE (LMCache chunk) bytes, with MiB."""
+    from statestore.client import StateStoreClient
+
+    async def go() -> str:
+        async with StateStoreClient(target) as c:
+            kinds = (await c.stats()).kinds
+        return " ".join(f"{k.tier}:{k.resident_bytes >> 20}" for k in kinds if k.kind == 6 and k.resident_bytes)
+
+    return asyncio.run_coroutine_threadsafe(go(), loop).result(60)
+
+
+def run_statestore_paths(name: str, num_chunks: int, work: Path, redis_prefix: str,
+                         only: Sequence[str] = ()) -> list[dict[str, Any]]:
+    model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
+    chunk_bytes = payloads[0].numel() * 2
+    small_host = 16 << 20  # below one chunk: the SSD / Redis paths write and read their own tier
+    rows = []
+    cases = [("statestore-host", "memory", 6 << 30, "", 256 << 20, (), "host"),
+             ("statestore-ssd", "local", small_host, "", 256 << 20, ("host",), "ssd"),
+             ("statestore-ssd-grpc", "local", small_host, "", 0, ("host",), "ssd"),
+             ("statestore-redis", "shared", small_host, redis_prefix, 256 << 20, ("host", "ssd"), "redis")]
+    for i, (path, durability, host_bytes, prefix, shm_bytes, evict, read_from) in enumerate(cases):
+        if only and path not in only:
+            continue
+        server = Server(work / f"statestore-{name}-{path}", host_budget_bytes=host_bytes, redis_prefix=prefix)
+        manager = make_manager(model, cpu_bytes_for(model, num_chunks), target=server.target, durability=durability,
+                               shm_bytes=shm_bytes)
+        try:
+            location = f"RemoteBackend-{PLUGIN}"
+            connector = manager.storage_backends[location].connection._connector
+            manager.storage_backends[location].contains(make_keys(1, 999)[0])  # warm-up: channel, shm probe
+            evict_copies = evict_from(server.target, manager.loop, connector, evict) if evict else None
+            where: list[str] = []
+
+            def before_get(keys: list[Any]) -> None:
+                where.append(resident_tiers(server.target, manager.loop))
+                if evict_copies is not None:
+                    evict_copies(keys)
+
+            t, keys = run_remote(manager, model, payloads, location, 10 + i, before_get)
+            assert connector.num_failures == 0, f"{path}: the connector reported failures (see the log)"
+            shm = connector._client is not None and connector._client.shm_active
+            found = 0
+            if durability == "local":  # kill -9, start again on the same data dir
+                server.stop(signal.SIGKILL)
+                server.start()
+                remote = manager.storage_backends[location]
+                deadline = time.monotonic() + 30
+                while (found := remote.batched_contains(keys)) < len(keys) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            rows.append(t.row(name, path, chunk_bytes, durable=durability != "memory", restart_found=found, shm=shm,
+                              stored_MiB=where[0], read_from=read_from))
+        finally:
+            manager.close()
+            server.stop()
+            shutil.rmtree(work / f"statestore-{name}-{path}", ignore_errors=True)
+    return rows
+
+
+def run_lmcache_redis_child(name: str, num_chunks: int) -> None:
+    """Child process: LMCache's redis:// path; prints one JSON row and exits without close()."""
+    model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
+    manager = make_manager(model, cpu_bytes_for(model, num_chunks), redis=True)
+    t, keys = run_remote(manager, model, payloads, "RemoteBackend", 20)
+    remote = manager.storage_backends["RemoteBackend"]
+    for key in keys:
+        remote.remove(key)
+    print("ROW " + json.dumps(t.row(name, "lmcache-redis", payloads[0].numel() * 2, durable=False,
+                                    restart_found=0)), flush=True)
+    os._exit(0)  # LMCache 0.5.6's RedisConnector.close() deadlocks
+
+
+def run_lmcache_redis(name: str, num_chunks: int) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "bench.lmcache_compare", "--child-redis", name, "--chunks", str(num_chunks)]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"lmcache-redis child did not finish in {CHILD_TIMEOUT_S} s") from exc
+    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    if not rows:
+        raise RuntimeError(f"lmcache-redis child failed: {out.stdout[-2000:]}{out.stderr[-3000:]}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 chunks of the conventional model only")
+    parser.add_argument("--chunks", type=int, default=0, help="chunks per model (default 16, --quick 4)")
+    parser.add_argument("--models", default="", help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--paths", default="", help="comma-separated statestore paths only (development)")
+    parser.add_argument("--child-redis", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    num_chunks = args.chunks or (4 if args.quick else 16)
+    if args.child_redis:
+        run_lmcache_redis_child(args.child_redis, num_chunks)
+        return
+    models = [m for m in (args.models or ("conventional" if args.quick else ",".join(MODELS))).split(",") if m]
+    work = Path(tempfile.mkdtemp(prefix="bench-lmcache-", dir=os.environ.get("BENCH_DIR")))
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in models:
+            only = [p for p in args.paths.split(",") if p]
+            if not only:
+                rows += run_lmcache_paths(name, num_chunks, work)
+                rows += run_lmcache_redis(name, num_chunks)
+            rows += run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    columns = ["model", "path", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
+               "get_p50_ms", "get_p99_ms", "durable", "restart_found", "bit_exact", "stored_MiB", "read_from"]
+    print_table(rows, columns)
+    if args.paths:
+        return  # a development run: no floors, no results file
+    floors: dict[str, Floor] = {}
+    for name in models:
+        by_path = {r["model"] + r["path"]: r for r in rows if r["model"] == name}
+        for ours, theirs in (("statestore-ssd", "lmcache-disk-odirect"), ("statestore-redis", "lmcache-redis")):
+            for op in ("put", "get"):
+                value = by_path[name + ours][f"{op}_GBps"] / by_path[name + theirs][f"{op}_GBps"]
+                floors[f"{name}_{ours}_{op}_vs_{theirs}"] = Floor(value, 1.0)
+    print_floors(floors)
+    from importlib import metadata
+
+    path = write_results("lmcache_compare", device="cpu", rows=rows, floors=floors, params={
+        "chunks_per_model": num_chunks, "chunk_tokens": CHUNK_TOKENS, "models": {m: MODELS[m] for m in models},
+        "lmcache": metadata.version("lmcache"), "quick": args.quick, "seconds": round(time.monotonic() - started, 1)})
+    print(f"wrote {path} in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
