@@ -162,19 +162,23 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int) -> None:
         os.ftruncate(fd, total)
 
 
-def make_spares(directory: str | Path, names: Sequence[str]) -> list[str]:
+def make_spares(directory: str | Path, names: Sequence[str], sync: bool = True) -> list[str]:
     """Step 0 of the spare protocol: create each empty file (O_CREAT|O_EXCL), then fsync
-    `directory` once, so that every name is durable. Returns the paths made; stops at the
-    first error after syncing what it made (ENOSPC: fewer spares, the caller falls back)."""
+    `directory` once, so that every name is durable (`sync=False`: the caller fsyncs it once
+    after several calls). Returns the paths made; an error (ENOSPC: fewer spares, the tier
+    falls back to `write_new`) propagates after what was made is synced and removed."""
     made: list[str] = []
     try:
         for name in names:
             path = f"{directory}/{name}"
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
             made.append(path)
-    finally:
-        if made:
-            fsync_dir(Path(directory))
+    except BaseException:
+        for path in made:
+            remove_quietly(path)
+        raise
+    if sync and made:
+        fsync_dir(Path(directory))
     return made
 
 

@@ -103,9 +103,14 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
-# Spare files kept ready for new keys; the pool is refilled (one directory fsync per batch)
-# once half of it is claimed, so a burst of this many new keys never waits for a refill.
-DEFAULT_SPARE_FILES = 128
+# Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
+# up to `spare_files`, each time a put finds it empty (a tier that sees few new keys keeps a
+# few spares; a busy one grows until a burst no longer drains it). It is refilled in the
+# background once half of it is claimed: SPARE_CHUNK creates per thread call, one directory
+# fsync per refill.
+DEFAULT_SPARE_FILES = 256
+INITIAL_SPARE_FILES = 32
+SPARE_CHUNK = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,12 +253,22 @@ class _KeyLocks:
 class _SparePool:
     """Spare files (paths) whose names are durable, claimed by new keys' puts on the loop."""
 
-    target: int
+    limit: int  # the most spares kept
+    target: int = 0  # spares kept now: grows (doubling) up to `limit` when a put finds none
     ready: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
     refilling: bool = False
+    ran_dry: bool = False  # since the last refill: grow once per time the pool runs dry
+
+    def __post_init__(self) -> None:
+        self.target = min(self.limit, INITIAL_SPARE_FILES)
 
     def claim(self) -> str | None:
-        return self.ready.popleft() if self.ready else None
+        if self.ready:
+            return self.ready.popleft()
+        if not self.ran_dry:
+            self.ran_dry = True
+            self.target = min(self.limit, 2 * self.target)
+        return None
 
     def wants_refill(self) -> bool:
         return self.target > 0 and not self.refilling and len(self.ready) <= self.target // 2
@@ -481,6 +496,7 @@ class SSDTier(Tier):
         self._spares = _SparePool(spare_files)
         self._spare_seq = itertools.count()
         self._refill_task: asyncio.Task[None] | None = None
+        self._closing = False
         self._gate = _ScanGate()
         self._locks = _KeyLocks()
         self._lock_fd: int | None = None
@@ -512,7 +528,8 @@ class SSDTier(Tier):
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
-        await self._refill()
+        self._closing = False
+        self._start_refill()  # in the background: new keys fsync their directory until it is done
         self._scan_mark = self._gate.mutations
         return self.last_scan
 
@@ -549,9 +566,10 @@ class SSDTier(Tier):
         return fd
 
     async def aclose(self) -> None:
+        self._closing = True  # a refill in flight stops after its current chunk
         if self._refill_task is not None:
             with contextlib.suppress(Exception):
-                await self._refill_task  # a few creates and one fsync: not left running unowned
+                await self._refill_task  # not left running unowned
             self._refill_task = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; closing an fd does not block
@@ -578,27 +596,38 @@ class SSDTier(Tier):
         """A spare for a new key's put (None: the pool is empty; the put falls back to
         `write_new`); starts a background refill once half the pool is claimed."""
         spare = self._spares.claim()
-        if self._spares.wants_refill():
-            self._spares.refilling = True
-            self._refill_task = asyncio.get_running_loop().create_task(self._refill())
+        self._start_refill()
         return spare
 
+    def _start_refill(self) -> None:
+        if self._spares.wants_refill() and not self._closing:
+            self._spares.refilling = True
+            self._refill_task = asyncio.get_running_loop().create_task(self._refill())
+
     async def _refill(self) -> None:
-        """Top the pool up to its target: one batch of creates and one directory fsync, on
-        the second thread pool (not behind the puts queued on the first). A scan waits."""
-        pool = self._spares
+        """Top the pool up to its target: creates in chunks, then one directory fsync, on the
+        second thread pool (not behind the puts queued on the first). A scan waits for it."""
+        pool, loop = self._spares, asyncio.get_running_loop()
         pool.refilling = True
+        made: list[str] = []
         try:
             async with self._gate.mutation(changes_index=False):
                 missing = pool.target - len(pool.ready)
-                if missing <= 0 or self._dir_sync is None:
-                    return
-                names = [f"{self._tmp_tag}{next(self._spare_seq):x}{SPARE_SUFFIX}" for _ in range(missing)]
-                made = await asyncio.get_running_loop().run_in_executor(
-                    self._dir_sync, _fs.make_spares, str(self._layout.spares_dir), names)
-                pool.ready.extend(made)
+                try:
+                    while len(made) < missing and not self._closing and self._dir_sync is not None:
+                        names = [f"{self._tmp_tag}{next(self._spare_seq):x}{SPARE_SUFFIX}"
+                                 for _ in range(min(SPARE_CHUNK, missing - len(made)))]
+                        made += await loop.run_in_executor(self._dir_sync, _fs.make_spares,
+                                                           str(self._layout.spares_dir), names, False)
+                except OSError as exc:
+                    logger.warning("ssd spare files not made (%s): new keys fsync their directory until "
+                                   "there are", exc)
+                if made and self._dir_sync is not None:  # closing: made but unsynced, the next scan takes them
+                    await loop.run_in_executor(self._dir_sync, _fs.fsync_dir, self._layout.spares_dir)
+                    pool.ready.extend(made)  # durable names from here on
+                    pool.ran_dry = False
         except OSError as exc:
-            logger.warning("ssd spare files not made (%s): new keys fsync their directory until they are", exc)
+            logger.warning("ssd spare directory not synced (%s): its new spares are not used", exc)
         finally:
             pool.refilling = False
 

@@ -61,6 +61,13 @@ async def tier(tmp_path: Path):
     await t.aclose()
 
 
+async def refilled(tier: SSDTier) -> SSDTier:
+    """The tier once the spare refill in flight (from open, or started by a claim) is done."""
+    while tier._refill_task is not None and not tier._refill_task.done():
+        await asyncio.sleep(0.001)
+    return tier
+
+
 async def reopen(t: SSDTier, **kwargs: object) -> SSDTier:
     await t.aclose()
     return await SSDTier.create(t._layout.root, **kwargs)  # type: ignore[arg-type]
@@ -390,7 +397,7 @@ async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
 async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_path: Path) -> None:
     """A new key's put takes a spare (its name already durable) and renames it to the
     record's name; once half the pool is claimed a refill tops it up; spares cost 0 bytes."""
-    tier = await SSDTier.create(tmp_path / "ssd", spare_files=8)
+    tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=8))
     try:
         spares = tier._layout.root / "spares"
         assert tier.spare_files == 8 and len(list(spares.iterdir())) == 8
@@ -404,8 +411,7 @@ async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_
         fourth, batch = rec(3, 1 << 20), [rec(i, 100) for i in range(4, 10)]
         await tier.put(fourth)  # the fourth leaves half: refill in the background
         assert await tier.put_many(batch) == [True] * 6
-        while tier._refill_task is not None and not tier._refill_task.done():
-            await asyncio.sleep(0.001)
+        await refilled(tier)
         assert tier.spare_files == len(list(spares.iterdir())) <= 8
         assert all(p.stat().st_size == 0 for p in spares.iterdir())
         stored = records + [fourth] + batch
@@ -419,6 +425,29 @@ async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_
         await tier.put(newer)
         assert tier.spare_files == before
         assert_same(await tier.get(newer.key), newer)
+    finally:
+        await tier.aclose()
+
+
+async def test_the_pool_grows_while_bursts_drain_it(tmp_path: Path) -> None:
+    """It starts small (a tier that sees few new keys keeps few spares) and doubles, up to
+    spare_files, each time a put finds it empty; every put is stored either way."""
+    tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=128))
+    try:
+        assert tier.spare_files == 32
+        burst = [rec(i, 100) for i in range(40)]
+        assert await tier.put_many(burst) == [True] * 40  # 32 through spares, 8 in place
+        await refilled(tier)
+        assert tier._spares.target == 64
+        while tier.spare_files < 64:  # the refill started before the growth tops up the rest
+            await asyncio.sleep(0.001)
+            tier._start_refill() if not tier._spares.refilling else None
+        more = [rec(i, 100) for i in range(40, 200)]
+        assert await tier.put_many(more) == [True] * 160
+        await refilled(tier)
+        assert tier._spares.target == 128  # and no further: spare_files is the limit
+        for r in burst + more:
+            assert_same(await tier.get(r.key), r)
     finally:
         await tier.aclose()
 
@@ -452,7 +481,7 @@ async def test_spares_left_by_a_crash_are_reused_recovered_or_quarantined(tmp_pa
       over an older version under that name (the spare's is the newer put);
     - a torn record (killed mid-write, never acknowledged): quarantined and reported;
     and the pool is topped up to its target, not past it."""
-    tier = await SSDTier.create(tmp_path / "ssd", spare_files=4)
+    tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=4))
     root = tier._layout.root
     old, kept = rec(1, 5000), rec(2, 300)
     assert await tier.put(old) and await tier.put(kept)
@@ -470,7 +499,7 @@ async def test_spares_left_by_a_crash_are_reused_recovered_or_quarantined(tmp_pa
     (spares / "a4.spare").write_bytes(torn[: 8192])
     (spares / "stray").write_bytes(b"?")
     with caplog.at_level(logging.INFO, logger="tiers.ssd"):
-        tier = await SSDTier.create(root, spare_files=4)
+        tier = await refilled(await SSDTier.create(root, spare_files=4))
     try:
         assert sorted(tier.last_scan.discarded) == [
             f"spares/a4.spare: file is 8192 bytes but the header says {len(torn)} (quarantined)",
