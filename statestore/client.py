@@ -32,6 +32,7 @@ from tiers.record import TENANT_BYTES, Record, RecordHeader
 DEFAULT_CHUNK_BYTES = 512 << 10
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 _FRAME_HEADROOM = 4096  # a data frame's header, tag and length beside its payload bytes
+_ZERO_TENANT = bytes(TENANT_BYTES)
 T = TypeVar("T")
 
 
@@ -318,7 +319,8 @@ class StateStoreClient:
         # keep it under the message limit whatever the options say.
         step = max(1, min(self.options.chunk_bytes, self.options.max_message_bytes - _FRAME_HEADROOM))
         for record in records:
-            record = Record(replace(record.header, tenant_id=bytes(TENANT_BYTES)), record.payload)
+            if record.header.tenant_id != _ZERO_TENANT:  # the server stamps the caller's tenant
+                record = Record(replace(record.header, tenant_id=_ZERO_TENANT), record.payload)
             yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
                 key=record.key, total_bytes=encoded_size(record), durability=int(durability), pin=pin))
             for frame in record_frames(record, step):

@@ -73,6 +73,8 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 _CHUNK_HEADROOM = 4096  # message framing beside a data chunk
 _MAX_DETAILS = 2048  # error messages echo client input; clients refuse metadata over 16 KiB by default
 MAX_REGISTERED_MODELS = 1024  # fingerprints RegisterModel remembers: bounded, so callers cannot grow it forever
+_KNOWN_KINDS = frozenset(int(k) for k in StateKind)
+_ZERO_TENANT = bytes(TENANT_BYTES)
 T = TypeVar("T")
 
 
@@ -457,13 +459,14 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             except ShmUnavailable as exc:
                 raise _Precondition(str(exc)) from None
             parts = [(start, [view]) for (start, _), view in zip(parts, views)]
+        tid = tenant_id(tenant)
         try:
-            verified = [await self._verify(i, start, buf, tenant) for i, (start, buf) in enumerate(parts)]
+            verified = [await self._verify(i, start, buf, tid) for i, (start, buf) in enumerate(parts)]
         finally:
             for _, bufs in parts if window is not None else ():
                 for view in bufs:
                     view.release()
-        async with owner.quotas.admit_bytes(self._store, tenant, [record for record, _ in verified]):
+        async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
             return await self._put_verified(verified, parts)
 
     def _shm_window(self, context: Any, *, put: bool) -> ShmWindow | None:
@@ -478,49 +481,51 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             logger.debug("GetRecords without shared memory: %s", exc)
             return None
 
-    async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart]],
+    async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart, Durability]],
                             parts: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]) -> Any:
-        owner = self._owner
         results = []
-        for i, (record, start) in enumerate(verified):
-            durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
-            try:
-                put = await self._store.put(record, durability, pin=start.pin)
-            except (BudgetExceeded, DurabilityUnavailable) as exc:
-                if i:
-                    exc.args = (f"{exc} ({i} earlier record(s) of this stream were stored)",)
-                raise
-            owner.calls.metrics.bytes_moved.labels("in").inc(parts[i][0].total_bytes)
-            results.append(statestore_pb2.PutResultInfo(key=put.key, durability=int(put.durability),
-                                                        tiers=sorted(t.value for t in put.tiers),
-                                                        evicted=len(put.evicted)))
+        stored_bytes = 0
+        try:
+            for i, (record, start, durability) in enumerate(verified):
+                try:
+                    put = await self._store.put(record, durability, pin=start.pin)
+                except (BudgetExceeded, DurabilityUnavailable) as exc:
+                    if i:
+                        exc.args = (f"{exc} ({i} earlier record(s) of this stream were stored)",)
+                    raise
+                stored_bytes += parts[i][0].total_bytes
+                results.append(statestore_pb2.PutResultInfo(key=put.key, durability=int(put.durability),
+                                                            tiers=sorted(t.value for t in put.tiers),
+                                                            evicted=len(put.evicted)))
+        finally:  # once per call, not per record: the counter takes a lock
+            self._owner.calls.metrics.bytes_moved.labels("in").inc(stored_bytes)
         return statestore_pb2.PutRecordsResponse(results=results)
 
     async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes | memoryview],
-                      tenant: str) -> tuple[Record, common_pb2.RecordStart]:
-        """Checksums, key, kind, model and tenant of one record; re-stamped with the caller's tenant."""
-        _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
+                      tid: bytes) -> tuple[Record, common_pb2.RecordStart, Durability]:
+        """Durability, checksums, key, kind, model and tenant (`tid`: the caller's tenant id) of one
+        record; returned re-stamped with the caller's tenant, with the durability it asks for."""
+        durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
         try:
             record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key)
         except RecordError as exc:
             raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
         h = record.header
-        if h.kind not in {int(k) for k in StateKind}:
+        if h.kind not in _KNOWN_KINDS:
             raise _BadField(f"record {i}: unknown kind {h.kind}; known: "
                             f"{', '.join(f'{int(k)} {k.name}' for k in StateKind)}")
         if h.model_fingerprint not in self._owner.models:
             raise _Precondition(f"record {i}: model fingerprint {h.model_fingerprint.hex()} is not registered "
                                 f"on this server: call RegisterModel first (hosted model: "
                                 f"{self._owner.adapter.model_fingerprint.hex()})")
-        tid = tenant_id(tenant)
-        if h.tenant_id not in (bytes(TENANT_BYTES), tid):
+        if h.tenant_id != _ZERO_TENANT and h.tenant_id != tid:
             raise _Denied(f"record {i}: its header names another tenant; leave tenant_id zero (the server "
                           f"stamps the caller's tenant)")
         existing = self._store.meta(record.key)
         if existing is not None and existing.tenant_id != tid:
             raise _Denied(f"record {i}: key {record.key.hex()} belongs to another tenant")
         header = replace(h, tenant_id=tid, stored_length=0, flags=0)
-        return Record(header, record.payload), start
+        return Record(header, record.payload), start, durability
 
     @_streaming
     async def GetRecords(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:
@@ -535,24 +540,28 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if window is not None:  # found records go into the client's window (statestore/shm.py)
             await context.send_initial_metadata(((METADATA_KEY, ATTACHED),))
             slots, shm_buf = ShmSlots(window), self._owner.shm.buffer(window)
-        for key in keys:
-            record = await self._store.get(key, expect_tenant=tid)
-            if record is None:
-                yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
-                continue
-            total = encoded_size(record)
-            at = slots.take(total) if slots is not None else None
-            if at is not None:
-                await write_slot(shm_buf, at, record)
+        sent_bytes = 0
+        try:
+            for key in keys:
+                record = await self._store.get(key, expect_tenant=tid)
+                if record is None:
+                    yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
+                    continue
+                total = encoded_size(record)
+                at = slots.take(total) if slots is not None else None
+                if at is not None:
+                    await write_slot(shm_buf, at, record)
+                    yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
+                    sent_bytes += total
+                    continue
+                if slots is not None and slots.num_used:
+                    return  # the window is full: the client asks again for the keys left
                 yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
-                self._calls.metrics.bytes_moved.labels("out").inc(total)
-                continue
-            if slots is not None and slots.num_used:
-                return  # the window is full: the client asks again for the keys left
-            yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
-            for frame in record_frames(record, chunk):
-                yield frame  # a serialized RecordChunk{data}: see `serialize_chunk`
-            self._calls.metrics.bytes_moved.labels("out").inc(total)
+                for frame in record_frames(record, chunk):
+                    yield frame  # a serialized RecordChunk{data}: see `serialize_chunk`
+                sent_bytes += total
+        finally:  # once per call, not per record: the counter takes a lock
+            self._calls.metrics.bytes_moved.labels("out").inc(sent_bytes)
 
     async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
         keys = _keys(request.keys, "keys")

@@ -179,10 +179,14 @@ class _KeyGate:
     def release(self, key: RecordKey) -> None:
         self._busy.pop(key).set()
 
-    @contextlib.asynccontextmanager
-    async def hold(self, key: RecordKey) -> AsyncIterator[None]:
+    async def acquire(self, key: RecordKey) -> None:
+        """Claim `key`, waiting while another operation holds it; pair with `release`."""
         while not self.claim(key):
             await self._busy[key].wait()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: RecordKey) -> AsyncIterator[None]:
+        await self.acquire(key)
         try:
             yield
         finally:
@@ -318,8 +322,10 @@ class TieredStore:
                 f"{durability.name} put of {record.key.hex()} not acknowledged: no "
                 f"{'ssd' if durability is Durability.LOCAL else 'redis'} tier is configured",
                 durability=durability, tier=None)
-        async with self._gate.hold(record.key):
-            prev = self._index.get(record.key)
+        key = record.key
+        await self._gate.acquire(key)  # the hot path: `hold` without its context manager
+        try:
+            prev = self._index.get(key)
             self._set_meta(self._in_flight_meta(record, durability, hints, prev))
             op = _Op()
             done = False
@@ -329,8 +335,10 @@ class TieredStore:
                 return result
             finally:
                 if not done:
-                    self._abort_put(record.key, prev)
+                    self._abort_put(key, prev)
                 self._settle(op)
+        finally:
+            self._gate.release(key)
 
     def _in_flight_meta(self, record: Record, durability: Durability, hints: PutHints | None,
                         prev: StateMeta | None) -> StateMeta:
@@ -351,8 +359,8 @@ class TieredStore:
         for name in TIER_ORDER:
             if name in targets and name is not required:
                 await self._place(name, record, op, "put")  # a cache copy: best effort, never waits
-        meta = replace(self._index[record.key], acked=True)
-        meta = replace(meta, pinned=meta.pinned or pin)
+        meta = self._index[record.key]
+        meta = replace(meta, acked=True, pinned=meta.pinned or pin)
         self._set_meta(meta)
         self._invoker.on_put(meta, meta.tiers)
         return PutResult(record.key, durability, meta.tiers, tuple(op.evicted))
@@ -553,9 +561,10 @@ class TieredStore:
         key = record.key
         meta = self._index.get(key) or self._adopt(record, source)
         meta = replace(meta, last_access=self._clock(), access_count=meta.access_count + 1)
-        self._set_meta(meta)
+        costs = self._costs()  # nothing moves before the promotion decision: one snapshot serves both
+        self._set_meta(meta, costs)
         self._invoker.on_access(meta, source)
-        targets = self._invoker.decide_promote(meta, source, self._costs()) - meta.tiers
+        targets = self._invoker.decide_promote(meta, source, costs) - meta.tiers
         if not targets or not self._gate.claim(key):
             return
         op = _Op()
@@ -708,12 +717,15 @@ class TieredStore:
     def _retention(self, kind: int) -> Retention:
         return self._config.retention_by_kind.get(kind, Retention.MUST_KEEP)
 
-    def _set_meta(self, meta: StateMeta) -> None:
-        """Store the entry and refresh its eviction-queue membership in every tier."""
+    def _set_meta(self, meta: StateMeta, costs: Mapping[TierName, TierCost] | None = None) -> None:
+        """Store the entry and refresh its eviction-queue membership in every tier (`costs`: the
+        tiers' costs as they are now, when the caller has them)."""
         self._index[meta.key] = meta
+        tiers = meta.tiers
         for name, queue in self._queues.items():
-            if name in meta.tiers and eviction_block_reason(meta, name) is None:
-                queue.insert(meta.key, self._invoker.eviction_score(meta, self._tier_cost(name)))
+            if name in tiers and eviction_block_reason(meta, name) is None:
+                cost = costs[name] if costs is not None else self._tier_cost(name)
+                queue.insert(meta.key, self._invoker.eviction_score(meta, cost))
             else:
                 queue.remove(meta.key)
 
