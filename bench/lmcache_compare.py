@@ -22,11 +22,15 @@ Paths (each: put every chunk, one at a time, waiting for it to be stored; then g
   bytes go to the tier measured and gets read from it; the plugin moves them through same-host
   shared memory (statestore/shm.py);
 - `statestore-ssd-grpc`: the SSD path with the plugin's shared memory off (gRPC frames: what a
-  client on another host gets).
+  client on another host gets);
+- `ref: ssd-tier-alone`: statestore's SSD tier in the bench process, the same bytes as records
+  (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine.
 
 `restart_found` counts the chunks found again after a restart: a new LMCache StorageManager on the
-same disk directory, or a statestore server killed with SIGKILL and started on the same data
-directory. Reads of files (LMCache's disk without O_DIRECT, statestore's SSD tier) come from the
+same disk directory (or the same Redis), or a statestore server killed with SIGKILL and started on
+the same data directory (SSD and Redis paths). `durable` says what a put waited for before it was
+acknowledged (this machine's Redis keeps nothing on disk: "redis SET" survives restarts of
+LMCache and statestore, not of Redis). Reads of files (LMCache's disk without O_DIRECT, statestore's SSD tier) come from the
 page cache right after the write, for both. Figures on the shared 2-core CPU are relative only.
 
 Floors (issue 9): statestore's SSD path >= LMCache's local disk with O_DIRECT, put and get;
@@ -242,7 +246,7 @@ def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, 
         try:
             if not odirect:
                 t, _ = run_local(manager, model, payloads, "LocalCPUBackend", 1)
-                rows.append(t.row(name, "lmcache-cpu", chunk_bytes, durable=False, restart_found=0))
+                rows.append(t.row(name, "lmcache-cpu", chunk_bytes, durable="no", restart_found=0))
             t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 2)
         finally:
             manager.close()
@@ -251,8 +255,8 @@ def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, 
             found = again.storage_backends["LocalDiskBackend"].batched_contains(keys)
         finally:
             again.close()
-        rows.append(t.row(name, "lmcache-disk-odirect" if odirect else "lmcache-disk", chunk_bytes, durable=False,
-                          restart_found=found))
+        rows.append(t.row(name, "lmcache-disk-odirect" if odirect else "lmcache-disk", chunk_bytes,
+                          durable="no (no fsync)", restart_found=found))
         shutil.rmtree(disk, ignore_errors=True)
     return rows
 
@@ -314,14 +318,15 @@ def run_statestore_paths(name: str, num_chunks: int, work: Path, redis_prefix: s
             assert connector.num_failures == 0, f"{path}: the connector reported failures (see the log)"
             shm = connector._client is not None and connector._client.shm_active
             found = 0
-            if durability == "local":  # kill -9, start again on the same data dir
+            if durability != "memory":  # kill -9, start again on the same data dir
                 server.stop(signal.SIGKILL)
                 server.start()
                 remote = manager.storage_backends[location]
                 deadline = time.monotonic() + 30
                 while (found := remote.batched_contains(keys)) < len(keys) and time.monotonic() < deadline:
                     time.sleep(0.2)
-            rows.append(t.row(name, path, chunk_bytes, durable=durability != "memory", restart_found=found, shm=shm,
+            acked = {"memory": "no", "local": "fdatasync", "shared": "redis SET"}[durability]
+            rows.append(t.row(name, path, chunk_bytes, durable=acked, restart_found=found, shm=shm,
                               stored_MiB=where[0], read_from=read_from))
         finally:
             manager.close()
@@ -330,16 +335,51 @@ def run_statestore_paths(name: str, num_chunks: int, work: Path, redis_prefix: s
     return rows
 
 
+def run_ssd_tier_alone(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
+    """Reference for where the SSD path's time goes: statestore's SSD tier in this process, the
+    same bytes as records (no LMCache, no plugin, no RPC, no shared memory)."""
+    from statestore.allocator import keep_large_buffers_in_heap
+    from tiers.record import make_record
+    from tiers.ssd import SSDTier
+
+    keep_large_buffers_in_heap()  # as the server does
+    payloads = make_payloads(MODELS[name], num_chunks)
+    records = [make_record(6, 0, p.view(torch.uint8).numpy().tobytes(), model_fingerprint=bytes(16),
+                           tenant_id=bytes(16), block_key=i.to_bytes(32, "big")) for i, p in enumerate(payloads)]
+    t = Timings()
+
+    async def go() -> None:
+        tier = await SSDTier.create(work / f"ssd-alone-{name}")
+        try:
+            for r in records:
+                t0 = time.perf_counter()
+                assert await tier.put(r)
+                t.put_s.append(time.perf_counter() - t0)
+            for r in records:
+                t0 = time.perf_counter()
+                got = await tier.get(r.key)
+                t.get_s.append(time.perf_counter() - t0)
+                t.exact = t.exact and got is not None and got.payload == r.payload
+        finally:
+            await tier.aclose()
+
+    asyncio.run(go())
+    shutil.rmtree(work / f"ssd-alone-{name}", ignore_errors=True)
+    return t.row(name, "ref: ssd-tier-alone", len(records[0].payload), durable="fdatasync", restart_found=None)
+
+
 def run_lmcache_redis_child(name: str, num_chunks: int) -> None:
     """Child process: LMCache's redis:// path; prints one JSON row and exits without close()."""
     model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
     manager = make_manager(model, cpu_bytes_for(model, num_chunks), redis=True)
     t, keys = run_remote(manager, model, payloads, "RemoteBackend", 20)
+    again = make_manager(model, cpu_bytes_for(model, 1), redis=True)  # a restart of LMCache (Redis keeps them)
+    found = again.storage_backends["RemoteBackend"].batched_contains(keys)
     remote = manager.storage_backends["RemoteBackend"]
     for key in keys:
         remote.remove(key)
-    print("ROW " + json.dumps(t.row(name, "lmcache-redis", payloads[0].numel() * 2, durable=False,
-                                    restart_found=0)), flush=True)
+    print("ROW " + json.dumps(t.row(name, "lmcache-redis", payloads[0].numel() * 2, durable="redis SET",
+                                    restart_found=found)), flush=True)
     os._exit(0)  # LMCache 0.5.6's RedisConnector.close() deadlocks
 
 
@@ -378,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rows += run_lmcache_paths(name, num_chunks, work)
                 rows += run_lmcache_redis(name, num_chunks)
             rows += run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
+            if not only:
+                rows.append(run_ssd_tier_alone(name, num_chunks, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     columns = ["model", "path", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
