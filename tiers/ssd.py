@@ -33,7 +33,7 @@ to its final name and indexes it. The index (key -> header, file size) lives in 
 verified lazily by `get`). Spares hold no data blocks; they are not records and count
 0 bytes in `usage()` (`spare_files` says how many there are).
 
-Every disk operation is one call on the tier's own thread pool (`max_concurrency` threads,
+Every disk operation is one call on the tier's own threads (`max_concurrency` of them, `tiers._hop`,
 long-lived, so their aligned I/O buffers are mapped once): encode + write + syncs for a put,
 open + read + verify for a get.
 
@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiofiles.os
 
 from tiers import _fs
+from tiers._hop import Workers
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
 from tiers.record import (
     HEADER_SIZE,
@@ -500,7 +501,7 @@ class SSDTier(Tier):
         self._gate = _ScanGate()
         self._locks = _KeyLocks()
         self._lock_fd: int | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers: Workers | None = None
         self._dir_sync: ThreadPoolExecutor | None = None  # directory fsyncs of large new records
         self.last_scan: ScanResult | None = None
         self._scan_mark: int | None = None  # gate.mutations when open()'s scan finished; None once reported
@@ -522,8 +523,8 @@ class SSDTier(Tier):
 
     async def open(self) -> ScanResult:
         """Lock the directory and rebuild the index from it. Returns what the scan found."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier")
+        if self._workers is None:
+            self._workers = Workers(self._max_concurrency, "ssd-tier")
             self._dir_sync = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier-dirsync")
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
@@ -534,8 +535,10 @@ class SSDTier(Tier):
         return self.last_scan
 
     def _run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """One thread hop on the tier's pool (no context copy, unlike asyncio.to_thread)."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """One thread hop on the tier's own threads (`tiers._hop`: leaner than run_in_executor)."""
+        if self._workers is None:
+            raise RuntimeError("SSDTier is closed")
+        return self._workers.run(fn, *args)
 
     def _prepare_root(self) -> int:
         """Worker thread: create the root, take its lock, create the first fan-out level."""
@@ -574,9 +577,9 @@ class SSDTier(Tier):
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; closing an fd does not block
             self._lock_fd = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)  # operations still queued finish on their own
-            self._executor = None
+        if self._workers is not None:
+            self._workers.shutdown()  # operations still queued finish on their own
+            self._workers = None
         if self._dir_sync is not None:
             self._dir_sync.shutdown(wait=False)
             self._dir_sync = None
