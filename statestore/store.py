@@ -61,7 +61,7 @@ from statestore.types import (
     TierProfile,
     TierStats,
 )
-from tiers.base import Tier
+from tiers.base import Tier, TierUsage
 from tiers.pools import page_bytes_for
 from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
 
@@ -159,6 +159,34 @@ class _EvictionQueue:
         finally:
             for item in visited:
                 heapq.heappush(self._heap, item)
+
+
+class _TierCosts(Mapping[TierName, TierCost]):
+    """The present tiers' costs, each built when first read: a policy that never reads them
+    (LRU decides by recency and membership) costs no usage snapshot per put or hit."""
+
+    __slots__ = ("_tiers", "_make", "_built")
+
+    def __init__(self, tiers: Mapping[TierName, Tier], make: Callable[[TierName], TierCost]) -> None:
+        self._tiers, self._make = tiers, make
+        self._built: dict[TierName, TierCost] = {}
+
+    def __getitem__(self, name: TierName) -> TierCost:
+        cost = self._built.get(name)
+        if cost is None:
+            if name not in self._tiers:
+                raise KeyError(name)
+            cost = self._built[name] = self._make(name)
+        return cost
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tiers
+
+    def __iter__(self) -> Iterator[TierName]:
+        return iter(self._tiers)
+
+    def __len__(self) -> int:
+        return len(self._tiers)
 
 
 class _KeyGate:
@@ -410,12 +438,14 @@ class TieredStore:
         """
         tier = self._tiers[name]
         need = tier.footprint(record)
-        budget = tier.usage().budget_bytes
+        usage: TierUsage | None = tier.usage()
+        budget = usage.budget_bytes
         if budget and need > budget:
             return _Placed.NO_ROOM
         freed_after_refusal = 0
         while True:
-            short = self._shortfall(name, need)
+            short = self._shortfall(name, need, usage)
+            usage = None  # what follows may await: later rounds take a fresh snapshot
             if short > 0:
                 if await self._make_room(name, short, op):
                     continue
@@ -457,8 +487,8 @@ class TieredStore:
             settled, self._settled = self._settled, asyncio.Event()
             settled.set()
 
-    def _shortfall(self, name: TierName, need: int) -> int:
-        usage = self._tiers[name].usage()
+    def _shortfall(self, name: TierName, need: int, usage: TierUsage | None = None) -> int:
+        usage = usage or self._tiers[name].usage()
         if not usage.budget_bytes:
             return 0
         return usage.resident_bytes + self._writing_bytes[name] + need - usage.budget_bytes
@@ -761,8 +791,9 @@ class TieredStore:
         return TierCost(name, profile.latency_s, profile.bandwidth_bytes_per_s, usage.budget_bytes,
                         usage.resident_bytes, tier.healthy)
 
-    def _costs(self) -> dict[TierName, TierCost]:
-        return {n: self._tier_cost(n) for n in self._tiers}
+    def _costs(self) -> Mapping[TierName, TierCost]:
+        """The present tiers' costs as they are now (read them before anything awaits)."""
+        return _TierCosts(self._tiers, self._tier_cost)
 
     def load_time_s(self, name: TierName, nbytes: int) -> float:
         """Modeled seconds to read `nbytes` from tier `name` (its profile: calibrated or default)."""
