@@ -105,10 +105,10 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
-# up to `spare_files`, each time a put finds it empty (a tier that sees few new keys keeps a
-# few spares; a busy one grows until a burst no longer drains it). It is refilled in the
-# background once half of it is claimed: SPARE_CHUNK creates per thread call, one directory
-# fsync per refill.
+# up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
+# keys keeps a few spares; a busy one grows until its bursts take at most half). It is
+# refilled in the background once half of it is claimed (after the batch, for `put_many`):
+# SPARE_CHUNK creates per thread call, one directory fsync per refill.
 DEFAULT_SPARE_FILES = 256
 INITIAL_SPARE_FILES = 32
 SPARE_CHUNK = 32
@@ -258,18 +258,17 @@ class _SparePool:
     target: int = 0  # spares kept now: grows (doubling) up to `limit` when a put finds none
     ready: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
     refilling: bool = False
-    ran_dry: bool = False  # since the last refill: grow once per time the pool runs dry
+    ran_low: bool = False  # since the last refill: grow once per time the pool runs low
 
     def __post_init__(self) -> None:
         self.target = min(self.limit, INITIAL_SPARE_FILES)
 
     def claim(self) -> str | None:
-        if self.ready:
-            return self.ready.popleft()
-        if not self.ran_dry:
-            self.ran_dry = True
+        spare = self.ready.popleft() if self.ready else None
+        if len(self.ready) <= self.target // 4 and not self.ran_low:
+            self.ran_low = True
             self.target = min(self.limit, 2 * self.target)
-        return None
+        return spare
 
     def wants_refill(self) -> bool:
         return self.target > 0 and not self.refilling and len(self.ready) <= self.target // 2
@@ -595,11 +594,13 @@ class SSDTier(Tier):
         """Spares ready for new keys (empty files: no data blocks, 0 bytes in `usage()`)."""
         return len(self._spares.ready)
 
-    def _claim_spare(self) -> str | None:
+    def _claim_spare(self, refill: bool = True) -> str | None:
         """A spare for a new key's put (None: the pool is empty; the put falls back to
-        `write_new`); starts a background refill once half the pool is claimed."""
+        `write_new`); starts a background refill once half the pool is claimed (`refill=False`:
+        the caller starts it after its batch, so that the refill does not compete with it)."""
         spare = self._spares.claim()
-        self._start_refill()
+        if refill:
+            self._start_refill()
         return spare
 
     def _start_refill(self) -> None:
@@ -628,7 +629,7 @@ class SSDTier(Tier):
                 if made and self._dir_sync is not None:  # closing: made but unsynced, the next scan takes them
                     await loop.run_in_executor(self._dir_sync, _fs.fsync_dir, self._layout.spares_dir)
                     pool.ready.extend(made)  # durable names from here on
-                    pool.ran_dry = False
+                    pool.ran_low = False
         except OSError as exc:
             logger.warning("ssd spare directory not synced (%s): its new spares are not used", exc)
         finally:
@@ -854,7 +855,7 @@ class SSDTier(Tier):
                 logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
                 continue
             new_key = record.key not in self._index
-            plan.append((i, record, need, new_key, self._claim_spare() if new_key else None))
+            plan.append((i, record, need, new_key, self._claim_spare(refill=False) if new_key else None))
         shares = [plan[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(plan)))]
         try:
             results = await asyncio.gather(*(
@@ -863,6 +864,7 @@ class SSDTier(Tier):
         finally:
             for _, _, need, _, _ in plan:
                 self._release(need)
+            self._start_refill()
         for share, share_results in zip(shares, results):
             for (i, record, _, _, _), result in zip(share, share_results):
                 if isinstance(result, OSError):

@@ -431,7 +431,8 @@ async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_
 
 async def test_the_pool_grows_while_bursts_drain_it(tmp_path: Path) -> None:
     """It starts small (a tier that sees few new keys keeps few spares) and doubles, up to
-    spare_files, each time a put finds it empty; every put is stored either way."""
+    spare_files, each time claims bring it down to a quarter; a put that finds it empty
+    writes in place; every put is stored either way."""
     tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=128))
     try:
         assert tier.spare_files == 32
