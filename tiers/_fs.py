@@ -188,7 +188,7 @@ def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool
     re-raised: the caller sees either a durable record under `final` or nothing."""
     total = sum(len(c) for c in chunks)
     try:
-        fd, direct = _open(spare, direct, os.O_WRONLY)
+        fd, direct = _open(spare, direct, os.O_WRONLY | os.O_NOFOLLOW)
         try:
             _write(fd, chunks, total, direct)
             os.fdatasync(fd)

@@ -53,6 +53,7 @@ import itertools
 import logging
 import os
 import secrets
+import stat
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -365,10 +366,11 @@ def _scan_spares(layout: SSDLayout) -> _SpareScan:
 
 def _scan_spare(layout: SSDLayout, path: Path, out: _SpareScan, moved_into: set[Path]) -> str:
     """One file of spares/; "" when dealt with, else what is wrong with it."""
-    if not path.name.endswith(SPARE_SUFFIX) or not path.is_file():
-        return "unexpected file in the spares directory"
     try:
-        if path.stat().st_size == 0:
+        st = os.lstat(path)
+        if not path.name.endswith(SPARE_SUFFIX) or not stat.S_ISREG(st.st_mode):
+            return "unexpected file in the spares directory"
+        if st.st_size == 0:
             out.ready.append(str(path))
             return ""
         header, _ = _fs.read_header(path)
@@ -377,8 +379,11 @@ def _scan_spare(layout: SSDLayout, path: Path, out: _SpareScan, moved_into: set[
     except OSError as exc:
         return f"unreadable ({exc})"
     final = layout.path(header.key)
-    _fs.make_dir_durable(final.parent)
-    os.replace(path, final)  # the spare's record is newer than any file under its name
+    try:
+        _fs.make_dir_durable(final.parent)
+        os.replace(path, final)  # the spare's record is newer than any file under its name
+    except OSError as exc:
+        return f"whole record not moved to {final.relative_to(layout.root)} ({exc})"
     moved_into.add(final.parent)
     out.recovered.append(f"{SPARES_DIR}/{path.name} -> {final.relative_to(layout.root)}")
     return ""
@@ -738,9 +743,14 @@ class SSDTier(Tier):
         total = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
         direct = self._direct_io_min_bytes is not None and total >= self._direct_io_min_bytes
         final = self._layout.path_str(key)
+        written = False
         if spare is not None:
-            _fs.write_spare(spare, final, chunks, direct=direct)
-        else:
+            try:
+                _fs.write_spare(spare, final, chunks, direct=direct)
+                written = True
+            except FileNotFoundError:  # the spare is gone (removed behind the tier's back)
+                logger.warning("ssd spare %s vanished; %s written without it", spare, key.hex())
+        if not written:
             dir_sync = self._dir_sync if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
             if not (new_key and _fs.write_new(final, chunks, direct=direct, dir_sync=dir_sync)):
                 _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct)

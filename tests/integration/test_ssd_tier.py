@@ -499,11 +499,15 @@ async def test_spares_left_by_a_crash_are_reused_recovered_or_quarantined(tmp_pa
     torn = encode_record(rec(4, 300_000))
     (spares / "a4.spare").write_bytes(torn[: 8192])
     (spares / "stray").write_bytes(b"?")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    (spares / "a5.spare").symlink_to(outside)  # never written through
     with caplog.at_level(logging.INFO, logger="tiers.ssd"):
         tier = await refilled(await SSDTier.create(root, spare_files=4))
     try:
         assert sorted(tier.last_scan.discarded) == [
             f"spares/a4.spare: file is 8192 bytes but the header says {len(torn)} (quarantined)",
+            "spares/a5.spare: unexpected file in the spares directory (quarantined)",
             "spares/stray: unexpected file in the spares directory (quarantined)"]
         assert "a2.spare ->" in caplog.text and "a3.spare ->" in caplog.text
         assert sorted(h.key for h in tier.last_scan.headers) == sorted([old.key, kept.key, whole_new.key])
@@ -518,6 +522,13 @@ async def test_spares_left_by_a_crash_are_reused_recovered_or_quarantined(tmp_pa
         assert tier.usage().resident_bytes == sum(tier.footprint(r) for r in (whole_newer, kept, whole_new))
         await tier.put(rec(5, 100))
         assert not (spares / "a1.spare").exists()  # the oldest spare is claimed first
+        # A spare removed behind the tier's back: the put writes in place instead.
+        next_spare = Path(tier._spares.ready[0])
+        next_spare.unlink()
+        late = rec(6, 300_000)
+        assert await tier.put(late)
+        assert_same(await tier.get(late.key), late)
+        assert outside.read_bytes() == b""
     finally:
         await tier.aclose()
 
