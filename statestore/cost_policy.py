@@ -11,8 +11,14 @@ For a record r and a tier X the policy prices what a copy in X is worth:
   a MUST_KEEP global block = an encoder pass over its tokens plus the W - 1 lead-in, given its
   predecessors (`EngineProfile.block_rebuild_s`);
 - P(reuse): pinned = 1; session hints (`PutHints.expected_return_s`, `ttl_s`) when given;
-  otherwise learned per tenant (`statestore.reuse.ReuseEstimator`: P(next | accesses so far)
-  and the gap distribution, conditioned on the idle time);
+  otherwise learned per tenant (`statestore.reuse.ReuseEstimator`: P(next | accesses so far,
+  where the record sat in the key chain its reader looked up) and the gap distribution,
+  conditioned on the idle time). The chain context comes from `on_lookup`, which the store
+  calls with each reader's key chain before its gets and puts: a chain's last block (the
+  reader's own tail) and the blocks of short one-off chains are rarely read again, the inner
+  blocks of long shared documents often; LRU treats them alike and lets a stream of tails
+  flush the documents. A hit is priced with the access it brings (the store prices a copy
+  before the hook reports the access);
 - H_X, the holding horizon of X: how long a byte stays in X before the tier turns over
   (budget / observed inflow, Che's characteristic time); the shadow price of a full tier is
   the value of what it last evicted.
@@ -32,6 +38,7 @@ hooks; it never reads a clock or touches storage ("now" is the latest access it 
 from __future__ import annotations
 
 import math
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +46,7 @@ from typing import Any
 from engine_adapter.base import Retention, StateKind
 from statestore.policy import PlacementPolicy, required_tier, take_until_covered
 from statestore.profile import CostProfile, EngineProfile
-from statestore.reuse import ReuseConfig, ReuseEstimator
+from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context, describe_context
 from statestore.types import TIER_ORDER, PlacementDecision, StateMeta, TierCost, TierName
 from tiers.record import RecordKey
 
@@ -58,11 +65,14 @@ class CostPolicyConfig:
     admit_fill: float = 0.9  # above this fill a new copy must beat the tier's shadow price
     ssd_write_weight: float = 1.0  # SSD write seconds count this much against admitting a copy
     shadow_decay: float = 0.05  # EWMA weight of each removed copy's score in the shadow price
-    # Seconds of recency that an e-fold of value per byte buys in the eviction score. Fixed on
-    # purpose: the heap caches scores, and a learned tau that drifts would leave records scored
-    # under an old tau out of order (early records then squat in the cache). What is learned
-    # (P(next), the gap distribution, the tier horizons) enters through the value itself.
-    score_tau_s: float = 300.0
+    # Seconds of recency that an e-fold of value per byte buys in the eviction score: twice the
+    # tier's turnover time, at most score_tau_s. Bounded on purpose: the heap caches scores, and
+    # a tau that drifts far would leave records scored under an old tau out of order (early
+    # records then squat in the cache). What is learned (P(next) per access count and chain
+    # context, the gap distribution, the tier horizons) enters through the value itself.
+    # (On the Mooncake trace, 1-8 GiB host: 2x the turnover beat 1x and 4x; 400 s beat 300 s and 1,000 s.)
+    score_tau_s: float = 400.0
+    tau_per_horizon: float = 2.0
     reuse: ReuseConfig = ReuseConfig()
 
     def __post_init__(self) -> None:
@@ -70,6 +80,8 @@ class CostPolicyConfig:
             raise ValueError(f"hint_confidence must lie in (0, 1], got {self.hint_confidence}")
         if not 0 < self.min_horizon_s <= self.max_horizon_s:
             raise ValueError("need 0 < min_horizon_s <= max_horizon_s")
+        if self.score_tau_s <= 0 or self.tau_per_horizon <= 0:
+            raise ValueError("score_tau_s and tau_per_horizon must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +124,9 @@ class CostAwarePolicy(PlacementPolicy):
         # (key, tier) -> (last_access, score, tau) of each scored copy: a memo of this policy's
         # own outputs, dropped with the copy (on_remove), so it never outgrows the index.
         self._scores: dict[tuple[RecordKey, TierName], tuple[float, float, float]] = {}
+        # key -> chain context of the latest lookup that named it, until its access consumes it
+        self._chain: OrderedDict[RecordKey, int] = OrderedDict()
+        self.decisions: Counter[str] = Counter()  # "host admitted", "ssd refused", ...: what explain reports
 
     # ----- costs ---------------------------------------------------------------------------
 
@@ -156,11 +171,20 @@ class CostAwarePolicy(PlacementPolicy):
             else:  # overdue: the longer late, the less likely
                 p = conf * math.exp(-(-remaining) / max(r, 60.0))
             return p, f"hint: returns {r:g} s after its last access"
-        count = max(1, self.reuse.access_count(meta.key))
-        p = self.reuse.p_reuse_within(meta.tenant_id, count, idle_s, horizon_s)
+        count, context = self._count_and_context(meta)
+        p = self.reuse.p_reuse_within(meta.tenant_id, count, idle_s, horizon_s, context)
         gaps = self.reuse.num_gaps(meta.tenant_id)
-        return p, (f"learned: {count} access(es), P(next)={self.reuse.p_next(meta.tenant_id, count):.2f}, "
+        p_next = self.reuse.p_next(meta.tenant_id, count, context)
+        return p, (f"learned: {count} access(es), last in {describe_context(context)}, P(next)={p_next:.2f}, "
                    f"{gaps} tenant gaps, mean {self.reuse.mean_gap_s(meta.tenant_id):.3g} s")
+
+    def _count_and_context(self, meta: StateMeta) -> tuple[int, int]:
+        """Accesses of the record and the chain context of the latest, counting the access the
+        store is recording now (it prices a copy before the hook that reports the access)."""
+        count, last, context = self.reuse.latest(meta.key)
+        if meta.last_access > last:  # an access the hooks have not reported yet
+            count, context = count + 1, self._chain.get(meta.key, NO_CONTEXT)
+        return max(1, count), context
 
     def price(self, meta: StateMeta, tier: TierCost, tiers: Mapping[TierName, TierCost] | None = None,
               *, idle_s: float = 0.0) -> TierValue:
@@ -180,10 +204,10 @@ class CostAwarePolicy(PlacementPolicy):
                          self._score(meta, density, horizon), tier.fill)
 
     def _tau(self, horizon_s: float) -> float:
-        """Seconds of recency an e-fold of value per byte buys: the tier's turnover time, at most
-        `score_tau_s`. A small tier turns over in seconds, where a value difference must not
-        outweigh recency for long; a large one keeps what is worth more for longer."""
-        return min(self.config.score_tau_s, max(1.0, horizon_s))
+        """Seconds of recency an e-fold of value per byte buys: `tau_per_horizon` x the tier's
+        turnover time, at most `score_tau_s`. A small tier turns over in seconds, where a value
+        difference must not outweigh recency for long; a large one keeps what is worth more for longer."""
+        return min(self.config.score_tau_s, max(1.0, self.config.tau_per_horizon * horizon_s))
 
     def _score(self, meta: StateMeta, density: float, horizon_s: float) -> float:
         if meta.pinned:
@@ -214,8 +238,11 @@ class CostAwarePolicy(PlacementPolicy):
                 continue
             v = self.price(meta, tiers[name], tiers)
             if name in chosen or self._admits(v, tiers[name], meta.size_bytes, covered):
+                self.decisions[f"{name.value} {'admitted' if name not in chosen else 'required'}"] += 1
                 chosen.add(name)
                 covered = max(covered, v.p_reuse)
+            else:
+                self.decisions[f"{name.value} refused"] += 1
         return frozenset(chosen)
 
     def decide_promote(self, meta: StateMeta, source: TierName,
@@ -226,7 +253,9 @@ class CostAwarePolicy(PlacementPolicy):
             return frozenset()
         v = self.price(meta, host, tiers)
         if not self._admits(v, host, meta.size_bytes, 0.0):
+            self.decisions["host promotion refused"] += 1
             return frozenset()
+        self.decisions["host promoted"] += 1
         self._add_inflow(meta)  # a promotion turns the host over like a put does
         return frozenset({TierName.HOST})
 
@@ -279,7 +308,7 @@ class CostAwarePolicy(PlacementPolicy):
 
     def on_put(self, meta: StateMeta, tiers: frozenset[TierName]) -> None:
         self._see(meta)
-        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, self._chain.pop(meta.key, NO_CONTEXT))
         self._add_inflow(meta)
 
     def _add_inflow(self, meta: StateMeta) -> None:
@@ -288,7 +317,17 @@ class CostAwarePolicy(PlacementPolicy):
 
     def on_access(self, meta: StateMeta, tier: TierName) -> None:
         self._see(meta)
-        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access)
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, self._chain.pop(meta.key, NO_CONTEXT))
+
+    def on_lookup(self, keys: Sequence[RecordKey]) -> None:
+        """Remember where each key sits in the reader's chain: its access prices and learns by it."""
+        known_root = bool(keys) and self.reuse.access_count(keys[0]) > 0
+        for i, k in enumerate(keys):
+            extends = known_root and i > 0 and self.reuse.access_count(k) == 0
+            self._chain[k] = chain_context(len(keys), i, extends)
+            self._chain.move_to_end(k)
+        while len(self._chain) > self.config.reuse.max_keys:
+            self._chain.popitem(last=False)
 
     def on_remove(self, meta: StateMeta, tier: TierName) -> None:
         """The removed copy's score moves the tier's shadow price (what a new copy must beat)."""

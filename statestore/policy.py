@@ -121,6 +121,9 @@ class PlacementPolicy:
     def on_remove(self, meta: StateMeta, tier: TierName) -> None:
         """The copy in `tier` is gone (evicted, deleted or found missing)."""
 
+    def on_lookup(self, keys: Sequence[RecordKey]) -> None:
+        """A reader looked up this key chain (a request's blocks, in order), before its gets and puts."""
+
 
 class LRUPolicy(PlacementPolicy):
     """Least recently used: cache every put in host RAM, evict the oldest access first."""
@@ -244,6 +247,9 @@ class _PolicyInvoker:
 
     def on_remove(self, meta: StateMeta, tier: TierName) -> None:
         self._hook("on_remove", meta, tier)
+
+    def on_lookup(self, keys: Sequence[RecordKey]) -> None:
+        self._hook("on_lookup", keys)
 
     def _hook(self, name: str, *args: object) -> None:
         try:

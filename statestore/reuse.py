@@ -9,6 +9,12 @@ keeps, per tenant:
   time (the 95th-percentile gap) after their n-th (n capped at `max_rank`); accesses still
   inside that time are open, not failures, so early estimates are not biased low. Frequency is what LRU ignores: a block read twice is far likelier to be read
   a third time than a block read once is to be read a second time.
+- `P(next | n, chain context)`: the same counts split by where the record sat in the key
+  chain a reader last looked up (`chain_context`: the chain's length, log2-bucketed, and the
+  record's distance from its end). A long chain's inner blocks are a shared document that
+  readers come back to; the last block of a chain is the reader's own tail, rarely read
+  again. Each context's estimate is shrunk towards the count-only one (`context_weight`
+  pseudo-counts), so a context seen rarely says little.
 - the gap distribution: the empirical CDF of the last `max_gaps` inter-access gaps, mixed
   with an exponential tail so that an idle time past every observed gap is unlikely, not
   impossible.
@@ -34,12 +40,49 @@ class ReuseConfig:
     max_rank: int = 4  # access counts at or above this share one P(next)
     max_gaps: int = 2048  # gap samples kept per tenant
     max_keys: int = 1 << 18  # keys whose access history is remembered (live and removed)
+    context_weight: float = 8.0  # pseudo-counts of the count-only P(next) in a context's estimate
 
     def __post_init__(self) -> None:
         if not 0.0 < self.prior_p_next < 1.0:
             raise ValueError(f"prior_p_next must lie in (0, 1), got {self.prior_p_next}")
         if self.prior_gap_s <= 0 or self.prior_weight <= 0 or self.max_rank < 1 or self.max_gaps < 1:
             raise ValueError("ReuseConfig: prior_gap_s, prior_weight, max_rank and max_gaps must be positive")
+        if self.context_weight <= 0 or self.max_keys < 1:
+            raise ValueError("ReuseConfig: context_weight and max_keys must be positive")
+
+
+NO_CONTEXT = -1  # a record no lookup placed in a chain
+_MAX_LENGTH_BUCKET = 7  # chains of 128 blocks and more share one bucket
+_MAX_FROM_END = 3  # 3 or more blocks before the chain's end share one bucket
+
+
+_EXTENDS = (_MAX_LENGTH_BUCKET + 1) * (_MAX_FROM_END + 1)  # label offset of "new block after a known prefix"
+
+
+def chain_context(length: int, position: int, extends_known: bool = False) -> int:
+    """The context label of the record at `position` (0-based) in a looked-up chain of `length`.
+
+    Observed facts of the reader's request, known when it arrives (no future): how long its
+    chain is (log2 buckets), how far this record sits from the chain's end (0, 1, 2, 3+), and
+    whether it is a new block appended to a prefix the store has seen (a conversation's new
+    turn, as opposed to a new document).
+    """
+    if length < 1 or not 0 <= position < length:
+        raise ValueError(f"position {position} is not in a chain of {length}")
+    length_bucket = min(_MAX_LENGTH_BUCKET, length.bit_length() - 1)
+    label = length_bucket * (_MAX_FROM_END + 1) + min(_MAX_FROM_END, length - 1 - position)
+    return label + _EXTENDS if extends_known else label
+
+
+def describe_context(context: int) -> str:
+    """`chain 32-63, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT."""
+    if context == NO_CONTEXT:
+        return "no chain"
+    extends, rest = divmod(context, _EXTENDS)
+    lb, fe = divmod(rest, _MAX_FROM_END + 1)
+    span = f"{1 << lb}+" if lb == _MAX_LENGTH_BUCKET else f"{1 << lb}-{(2 << lb) - 1}"
+    end = "last" if fe == 0 else f"{fe}{'+' if fe == _MAX_FROM_END else ''} from end"
+    return f"chain {span}, {end}" + (", new after a known prefix" if extends else "")
 
 
 @dataclass(slots=True)
@@ -47,17 +90,21 @@ class _TenantStats:
     stopped: list[int]  # stopped[n]: records idle past the resolve time after their n-th access
     went_on: list[int]  # went_on[n]: records accessed again after their n-th access
     gaps: deque[float]
+    # the same counts per (n, chain context of the n-th access)
+    stopped_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
+    went_on_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
     sorted_gaps: list[float] = field(default_factory=list)
     gap_sum: float = 0.0
     # (time, key, n) of recent accesses whose outcome (another access or not) is still open:
     # counting them as "not reused" would bias P(next) low early on (right-censoring).
-    pending: deque[tuple[float, bytes, int]] = field(default_factory=deque)
+    pending: deque[tuple[float, bytes, int, int]] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
 class _History:
     count: int  # accesses seen, the put included
     last: float  # time of the latest one
+    context: int = NO_CONTEXT  # chain context of the latest one
 
 
 class ReuseEstimator:
@@ -70,8 +117,10 @@ class ReuseEstimator:
 
     # ----- learning -------------------------------------------------------------------
 
-    def observe(self, key: bytes, tenant: bytes, when: float) -> None:
+    def observe(self, key: bytes, tenant: bytes, when: float, context: int = NO_CONTEXT) -> None:
         """An access (a put or a hit) of `key` at `when`: a reuse if the key was seen before.
+
+        `context` is where the access's reader placed the key (`chain_context`), if known.
 
         Keys are remembered after their records are gone (up to `max_keys`), so a block that
         is rebuilt and put again after an eviction still counts as a reuse. An access whose
@@ -86,11 +135,14 @@ class ReuseEstimator:
                 self._history.popitem(last=False)
         else:
             self._history.move_to_end(key)
-            stats.went_on[self._rank(h.count)] += 1
+            rank = self._rank(h.count)
+            stats.went_on[rank] += 1
+            stats.went_on_ctx[rank, h.context] = stats.went_on_ctx.get((rank, h.context), 0) + 1
             self._add_gap(stats, max(0.0, when - h.last))
         h.count += 1
         h.last = max(h.last, when)
-        stats.pending.append((when, key, h.count))
+        h.context = context
+        stats.pending.append((when, key, h.count, context))
 
     def resolve_s(self, tenant: bytes) -> float:
         """Idle time after which an access counts as a key's last: the 95th-percentile gap, at least 60 s."""
@@ -100,10 +152,12 @@ class ReuseEstimator:
     def _resolve(self, stats: _TenantStats, now: float) -> None:
         horizon = now - self._resolve_s(stats)
         while stats.pending and stats.pending[0][0] <= horizon:
-            _, key, count = stats.pending.popleft()
+            _, key, count, context = stats.pending.popleft()
             h = self._history.get(key)
             if h is not None and h.count == count:
-                stats.stopped[self._rank(count)] += 1
+                rank = self._rank(count)
+                stats.stopped[rank] += 1
+                stats.stopped_ctx[rank, context] = stats.stopped_ctx.get((rank, context), 0) + 1
 
     def _resolve_s(self, stats: _TenantStats) -> float:
         if not stats.sorted_gaps:
@@ -126,14 +180,33 @@ class ReuseEstimator:
         h = self._history.get(key)
         return h.count if h else 0
 
-    def p_next(self, tenant: bytes, count: int) -> float:
-        """P(a record of `tenant` accessed `count` times is accessed again)."""
+    def latest(self, key: bytes) -> tuple[int, float, int]:
+        """(accesses seen, time of the latest, its chain context); (0, -inf, NO_CONTEXT) if unknown."""
+        h = self._history.get(key)
+        return (h.count, h.last, h.context) if h else (0, -math.inf, NO_CONTEXT)
+
+    def p_next(self, tenant: bytes, count: int, context: int = NO_CONTEXT) -> float:
+        """P(a record of `tenant` accessed `count` times, the last in `context`, is accessed again)."""
         c = self.config
         stats = self._tenants.get(tenant)
         n = self._rank(max(1, count))
         went_on = stats.went_on[n] if stats else 0
         stopped = stats.stopped[n] if stats else 0
-        return (went_on + c.prior_p_next * c.prior_weight) / (went_on + stopped + c.prior_weight)
+        base = (went_on + c.prior_p_next * c.prior_weight) / (went_on + stopped + c.prior_weight)
+        if stats is None or context == NO_CONTEXT:
+            return base
+        went_on = stats.went_on_ctx.get((n, context), 0)
+        stopped = stats.stopped_ctx.get((n, context), 0)
+        return (went_on + base * c.context_weight) / (went_on + stopped + c.context_weight)
+
+    def context_table(self, tenant: bytes) -> dict[tuple[int, int], tuple[float, int]]:
+        """(n, context) -> (P(next), resolved samples) for every context seen: what explains a ranking."""
+        stats = self._tenants.get(tenant)
+        if stats is None:
+            return {}
+        cells = set(stats.went_on_ctx) | set(stats.stopped_ctx)
+        return {cell: (self.p_next(tenant, cell[0], cell[1]),
+                       stats.went_on_ctx.get(cell, 0) + stats.stopped_ctx.get(cell, 0)) for cell in sorted(cells)}
 
     def mean_gap_s(self, tenant: bytes) -> float:
         c = self.config
@@ -159,9 +232,11 @@ class ReuseEstimator:
         emp = bisect.bisect_right(stats.sorted_gaps, t) / n if n else 0.0
         return (1.0 - w_prior) * emp + w_prior * expo
 
-    def p_reuse_within(self, tenant: bytes, count: int, idle_s: float, horizon_s: float) -> float:
-        """P(the next access comes within `horizon_s`, given `count` accesses and `idle_s` idle)."""
-        p = self.p_next(tenant, count)
+    def p_reuse_within(self, tenant: bytes, count: int, idle_s: float, horizon_s: float,
+                       context: int = NO_CONTEXT) -> float:
+        """P(the next access comes within `horizon_s`, given `count` accesses (the last in
+        `context`) and `idle_s` idle)."""
+        p = self.p_next(tenant, count, context)
         f_a = self.gap_cdf(tenant, idle_s)
         f_ah = self.gap_cdf(tenant, idle_s + horizon_s)
         denom = p * (1.0 - f_a) + (1.0 - p)

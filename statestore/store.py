@@ -623,6 +623,7 @@ class TieredStore:
         Local tiers answer from the index (acknowledged copies); shared tiers are asked (one
         batch round trip; a tier that is down answers no hits).
         """
+        self._invoker.on_lookup(keys)  # a policy may learn where each key sits in a reader's chain
         present: dict[TierName, list[bool]] = {}
         for name in self._local_tiers():
             present[name] = [self._has_copy(k, name) for k in keys]
