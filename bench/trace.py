@@ -10,7 +10,11 @@ eviction goes through `TieredStore`; only time is modeled:
          + compute of what was not loaded (V4.1 engine costs per token by context)
          + the decoder tail (a bounded replay of R = 128 rows through the whole stack)
 
-Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
+Each request first looks up its key chain (`TieredStore.lookup`, as an inference server
+does), then reads what is stored and puts what it rebuilt; a record's token range is the
+block's real tokens (a prompt's last block may be partial: cheaper to rebuild, same padded
+size). The cost-aware policy learns only from what the store sees this way: no future, no
+trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
 is the trace's timestamp, which is what `StateMeta.last_access` and the learned reuse gaps
 see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
 hash id is one full-size record (the last, partial block of a prompt is padded), which is
@@ -180,6 +184,8 @@ class RunResult:
     full_prefill_s: float = 0.0  # what always-recompute spends on the same requests
     ssd_bytes_written: int = 0
     refused: int = 0  # puts the host could not fit
+    evictions: dict[str, int] = field(default_factory=dict)  # tier -> copies evicted
+    decisions: dict[str, int] = field(default_factory=dict)  # the cost policy's admissions and refusals
     wall_s: float = 0.0
     policy_obj: PlacementPolicy | None = None
 
@@ -193,7 +199,10 @@ class RunResult:
             "hit_rate": hit / self.blocks, "hit_host": self.hits["host"] / self.blocks,
             "hit_ssd": self.hits["ssd"] / self.blocks,
             "gpu_s_saved": self.full_prefill_s - self.compute_s,
-            "ssd_written_gib": self.ssd_bytes_written / GIB, "refused_puts": self.refused, "wall_s": self.wall_s,
+            "ssd_written_gib": self.ssd_bytes_written / GIB, "refused_puts": self.refused,
+            "evicted_host": self.evictions.get("host", 0), "evicted_ssd": self.evictions.get("ssd", 0),
+            "ssd_copies_refused": self.decisions.get("ssd refused", 0),
+            "promotions_refused": self.decisions.get("host promotion refused", 0), "wall_s": self.wall_s,
         }
 
 
@@ -285,12 +294,18 @@ class Simulator:
             res.compute_s += compute
         res.wall_s = time.perf_counter() - t0
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
+        res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
+        if isinstance(policy, CostAwarePolicy):
+            res.decisions = dict(policy.decisions)
         return res
 
     async def _request(self, store: TieredStore, layout: Layout, req: Request, res: RunResult) -> tuple[float, float]:
         """One request: load what is stored, rebuild or prefill the rest, store it. -> (TTFT, compute)."""
         keys = [self.block_key(req, i) for i in range(len(req.hash_ids))]
         res.blocks += len(keys)
+        # What an inference server does first: look up the request's chain (the policy may learn
+        # from where each block sits in it; LRU ignores it).
+        await store.lookup([make_record_key(GLOBAL, k) for k in keys])
         load = compute = 0.0
         rebuilt_prev = False
         prefix_broken = False
@@ -320,7 +335,9 @@ class Simulator:
         compute += tail
         for i in to_put:
             start = BLOCK_TOKENS * i
-            await self._put(store, self.record(GLOBAL, keys[i], layout.block_bytes, start, start + BLOCK_TOKENS), res)
+            # The record covers the block's real tokens (the last one may be partial; its payload is padded).
+            end = min(start + BLOCK_TOKENS, max(req.input_length, start + 1))
+            await self._put(store, self.record(GLOBAL, keys[i], layout.block_bytes, start, end), res)
         return load + compute, compute
 
     @staticmethod
@@ -360,20 +377,31 @@ def achievable_hit_rate(requests: Sequence[Request]) -> float:
 
 
 def reuse_reason(cost: RunResult, lru: RunResult) -> str:
+    """Why the cost-aware run beat (or did not beat) LRU at the same budget: hits, evictions,
+    refusals, and the reuse odds it learned per access count and chain context."""
+    c, l = cost.row(), lru.row()
+    budget = f"host {cost.host_gib:g} GiB" + (f" + SSD {cost.ssd_gib:g} GiB" if cost.ssd_gib else "")
+    lines = [f"at {budget}: hit rate {c['hit_rate']:.1%} (host {c['hit_host']:.1%}, ssd {c['hit_ssd']:.1%}) vs LRU "
+             f"{l['hit_rate']:.1%} (host {l['hit_host']:.1%}, ssd {l['hit_ssd']:.1%}); mean TTFT "
+             f"{c['ttft_mean_s']:.3f} s vs {l['ttft_mean_s']:.3f} s; host evictions {c['evicted_host']} vs "
+             f"{l['evicted_host']}; SSD copies refused {c['ssd_copies_refused']}, promotions refused "
+             f"{c['promotions_refused']}"]
     pol = cost.policy_obj
-    lines = [f"at host {cost.host_gib:g} GiB{' + SSD ' + format(cost.ssd_gib, 'g') + ' GiB' if cost.ssd_gib else ''}: "
-             f"hit rate {cost.row()['hit_rate']:.1%} (host {cost.row()['hit_host']:.1%}) vs LRU "
-             f"{lru.row()['hit_rate']:.1%} (host {lru.row()['hit_host']:.1%}); "
-             f"mean TTFT {cost.row()['ttft_mean_s']:.3f} s vs {lru.row()['ttft_mean_s']:.3f} s"]
     if isinstance(pol, CostAwarePolicy):
-        p = [pol.reuse.p_next(TENANT, n) for n in range(1, pol.reuse.config.max_rank + 1)]
-        lines.append("why: it ranks copies by P(reuse within the tier's turnover time) x (rebuild - load) per "
-                     "byte; it learned P(next access | n accesses so far) = "
-                     + ", ".join(f"n={n}: {v:.2f}" for n, v in enumerate(p, 1))
-                     + f" (mean reuse gap {pol.reuse.mean_gap_s(TENANT):.0f} s), so blocks read once go before "
-                     "blocks read again, and cheap-to-rebuild blocks (position 0: no lead-in; short last blocks) "
-                     "before expensive ones; where every block costs about the same and the next read is not "
-                     "predictable from these, it orders like LRU")
+        table = pol.reuse.context_table(TENANT)
+        def p_of(n: int, length_bucket: int, from_end: int) -> float:
+            cell = table.get((n, length_bucket * 4 + from_end))
+            return cell[0] if cell else math.nan
+        lines.append(
+            "why: it keeps the copies worth most per byte, P(reuse) x (rebuild - load) / bytes, with P(reuse) learned "
+            "online from what the store saw: P(next read | reads so far, where the block sat in the reader's looked-up "
+            f"chain). Learned: read once, inside a 64-127-block chain {p_of(1, 6, 3):.2f}, inside a 32-63 chain "
+            f"{p_of(1, 5, 3):.2f}, inside a 16-31 chain {p_of(1, 4, 3):.2f}, a chain's last block {p_of(1, 5, 0):.2f} "
+            f"(32-63) / {p_of(1, 6, 0):.2f} (64-127); read twice, inside a 32-63 chain {p_of(2, 5, 3):.2f}; "
+            f"overall P(next | 1 read) {pol.reuse.p_next(TENANT, 1):.2f}, | 2 reads {pol.reuse.p_next(TENANT, 2):.2f}. "
+            "So a chain's tail and blocks of short one-off chains leave first, shared documents stay; LRU evicts by "
+            "age alone. Rebuild cost enters the same ratio (block 0 has no lead-in; a partial last block covers fewer "
+            "tokens): equally likely blocks that are cheaper to rebuild leave first")
     return "\n  ".join(lines)
 
 
