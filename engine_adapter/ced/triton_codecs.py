@@ -3,10 +3,12 @@
 Why kernels: the torch codecs take ~10 elementwise passes (block amax, scale, divide, clamp,
 floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the input once
 and writes codes and scales once. On the H200 that is 24x (quantize) and 6-8x (dequantize)
-faster than the torch codecs on CUDA, but still short of copy speed (bench/results/
-gpu_report-cuda.json, 2026-11-29 21:12): E4M3 quantize 41% of the copy bandwidth (a correctly
-rounded divide per value; arithmetic-bound), E8M0 quantize 53% (the divide by a power-of-two
-scale is an exact reciprocal multiply, `_div_pow2`), dequantize 59% (index) and 63% (main).
+faster than the torch codecs on CUDA. Against a device copy of the same bytes
+(bench/results/gpu_report-cuda.json, 2026-11-30): dequantize 76% (v3: each packed byte read once),
+quantize 46% (E4M3) and 58% (E8M0) with v4. Quantize is bound by the integer/logic pipe (Nsight
+Compute on v4: ALU pipe 82% busy, occupancy 19% from registers): the compares and selects of the
+block max, the scale and the encoder, not the bytes; v3/v4 cut the per-value division to one per
+block plus an fma correction and the encoder to one fma, but E4M3 is still short of 60%.
 Decode attention also needs
 only the top-k selected entries: `gather_dequantize_fp4` reads those packed rows (288 B) and
 writes bf16/fp32 rows, instead of keeping every entry dequantized and gathering from it.
@@ -298,30 +300,175 @@ if triton is not None:
         src = tl.maximum(tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64), 0)
         _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
 
+    @triton.jit
+    def _div_rn_by_block(xb, q):
+        """RN(x / q) for [R, NB, BS] x and [R, NB] q with one division per block, not per value.
+
+        Markstein's correction: with r = RN(1/q) (the one `div_rn` per block), t1 = RN(x * r)
+        is within one ulp of x / q, the remainder x - q * t1 is exact in an fma, and
+        RN(t1 + rem * r) is the correctly rounded quotient, bit-identical to `div_rn(x, q)`.
+        It needs t1 finite and x - q * t1 free of overflow: where |t1| >= 32 (inf, or a value the
+        E2M1 encoder clamps to its top code anyway, and where t1 and the quotient give the same
+        code) t1 itself is used. NaN in x or q stays NaN. -0.0 may come back as +0.0, which
+        `_e2m1_codes_v2` encodes alike (its sign bit is `t < 0`).
+        """
+        r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, :, None]
+        t1 = xb * r
+        rem = tl.fma(-t1, q[:, :, None], xb)
+        t2 = tl.fma(rem, r, t1)
+        return tl.where(tl.abs(t1) < 32.0, t2, t1)
+
+    @triton.jit
+    def _quantize_v3_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """v2 with the E4M3 per-value division replaced by `_div_rn_by_block` (the per-value
+        `div_rn` made E4M3 quantize arithmetic-bound at 41% of copy bandwidth)."""
+        NB: tl.constexpr = D // BS
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, D)
+        mask = r[:, None] < n_rows
+        x = tl.load(x_ptr + r[:, None].to(tl.int64) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, [ROWS, NB, BS])
+        amax = tl.reduce(tl.abs(xb), 2, _max_nan)
+        if E4M3:
+            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+            v = tl.where(amax != amax, amax, v)
+            byte, scale = _e4m3_round(v)
+            t = _div_rn_by_block(xb, scale * 0.25)
+        else:
+            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
+            vb = v.to(tl.int32, bitcast=True)
+            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
+            t = _div_pow2(xb, byte)
+        codes = _e2m1_codes_v2(t)
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        hcols = tl.arange(0, D // 2)
+        tl.store(codes_ptr + r[:, None].to(tl.int64) * (D // 2) + hcols[None, :], packed, mask=mask)
+        tl.store(scales_ptr + r[:, None].to(tl.int64) * NB + tl.arange(0, NB)[None, :], byte.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, src_rows, dst_rows, valid,
+                         D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """Each packed byte read once and decoded into its two values, joined pairwise
+        (v2 reads every byte twice, once per output element, and shifts per element)."""
+        NB: tl.constexpr = D // BS
+        H: tl.constexpr = D // 2
+        m2 = valid[:, None]
+        c = tl.load(codes_ptr + src_rows[:, None] * H + tl.arange(0, H)[None, :], mask=m2, other=0).to(tl.int32)
+        sb = tl.load(scales_ptr + src_rows[:, None] * NB + tl.arange(0, NB)[None, :], mask=m2, other=0).to(tl.int32)
+        if E4M3:
+            scale = _e4m3_decode(sb)
+        else:
+            scale = _e8m0_decode(sb)
+        per_byte = tl.reshape(tl.broadcast_to(scale[:, :, None], [ROWS, NB, BS // 2]), [ROWS, H])
+        lo = _e2m1_values(c & 15) * per_byte
+        hi = _e2m1_values(c >> 4) * per_byte
+        vals = tl.reshape(tl.join(lo, hi), [ROWS, D])
+        tl.store(out_ptr + dst_rows[:, None] * D + tl.arange(0, D)[None, :], vals.to(out_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _dequantize_v3_kernel(codes_ptr, scales_ptr, out_ptr, n_rows,
+                              D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = r.to(tl.int64)
+        _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, ROWS, E4M3)
+
+    @triton.jit
+    def _gather_dequantize_v3_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out,
+                                     D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        valid = r < n_out
+        src = tl.maximum(tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64), 0)
+        _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
+
+    @triton.jit
+    def _e2m1_magnitude_v4(t):
+        """E2M1 magnitude code (0..7) of t / 4 for finite or infinite t, NaN not handled (the
+        caller zeroes NaN blocks): `_e2m1_codes_v2`'s three roundings folded into one.
+
+        On the grid in quarters the step is 2 below 8, 4 below 16 and 8 above, so the code is
+        o + rint(|t| * s) with (s, o) = (1/2, 0), (1/4, 2), (1/8, 4), clamped at 7: one fma
+        against 2**23 + o, whose float bits minus those of 2**23 are that integer (ties to even,
+        as the table resolves them: 1 -> 0, 3 -> 2, 5 -> 2, 7 -> 4, 10 -> 4, 14 -> 6, 20 -> 6).
+        """
+        a = tl.abs(t)
+        s = tl.where(a < 8.0, 0.5, tl.where(a < 16.0, 0.25, 0.125))
+        m = tl.where(a < 8.0, 8388608.0, tl.where(a < 16.0, 8388610.0, 8388612.0))
+        return tl.minimum(tl.fma(a, s, m).to(tl.int32, bitcast=True) - 0x4B000000, 7)
+
+    @triton.jit
+    def _quantize_v4_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
+        contiguous), a program takes ROWS * D / BS of them. The block max is a plain row
+        reduction and the scale math runs once per block; the [ROWS, NB, BS] reshape of v2/v3
+        made the compiler replicate the per-block scale math across a thread's values."""
+        NB: tl.constexpr = D // BS
+        NBLK: tl.constexpr = ROWS * NB
+        blk = tl.program_id(0).to(tl.int64) * NBLK + tl.arange(0, NBLK)
+        valid = (blk // NB) < n_rows  # (n_rows may arrive as a constant: triton specialises 1)
+        cols = tl.arange(0, BS)
+        x = tl.load(x_ptr + blk[:, None] * BS + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 1, _max_nan)  # [NBLK]
+        if E4M3:
+            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+            v = tl.where(amax != amax, amax, v)
+            byte, scale = _e4m3_round(v)
+            q = scale * 0.25
+            r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, None]
+            t1 = x * r
+            t2 = tl.fma(tl.fma(t1, -q[:, None], x), r, t1)  # Markstein: see _div_rn_by_block
+            t = tl.where(tl.abs(t1) < 32.0, t2, t1)
+        else:
+            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
+            vb = v.to(tl.int32, bitcast=True)
+            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
+            recip = ((256 - byte) << 23).to(tl.float32, bitcast=True)  # as _div_pow2
+            recip = tl.where(byte == 1, 1.7014118346046923e38, recip)
+            pre = tl.where(byte == 1, 2.0, 1.0)
+            t = (x * pre[:, None]) * recip[:, None]
+        codes = _e2m1_magnitude_v4(t) | tl.where(t < 0.0, 8, 0)
+        lo, hi = tl.split(tl.reshape(codes, [NBLK, BS // 2, 2]))
+        # the blocks whose every t is NaN get code 0 here, once per byte: a NaN in the block (both
+        # formats) or an inf (E8M0: scale byte 255, which decodes to NaN)
+        nan_block = (amax != amax) if E4M3 else (byte == 255)
+        packed = tl.where(nan_block[:, None], 0, lo | (hi << 4)).to(tl.uint8)
+        tl.store(codes_ptr + blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :], packed, mask=valid[:, None])
+        tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
+
+
+    # v4 changes only the quantizer; its decoders are v3's
+    _dequantize_v4_kernel = _dequantize_v3_kernel
+    _gather_dequantize_v4_kernel = _gather_dequantize_v3_kernel
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: same signatures and results as the codecs.py functions of the same names.
 
 
-# Kernel variant and launch shape per op: "v1" (4-D tiles) or "v2" (2-D tiles, cheaper encode),
-# values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); all
-# variants give the same bits (tests/gpu runs both). Defaults: the sweep's winner on the H200
-# (bench/results/gpu_report-cuda.json, 2026-11-29): v2 with 2,048 values and 2 warps a program
-# was fastest or within 2% for every op (v1 at 8,192/4 took 1.8-6x longer); a second sweep with
-# smaller programs (.probe run, same day) found 1,024 values a program faster: 1 warp for
-# quantize/dequantize (index dequantize 1.33 -> 1.08 ms), 2 for the gather.
+# Kernel variant and launch shape per op: "v1" (4-D tiles), "v2" (2-D tiles, cheaper encode),
+# "v3" (v2 + one division per block for E4M3; decoders read each packed byte once), "v4" (quantize
+# over [blocks, BS] tiles with a 3-instruction E2M1 encoder; v3's decoders), values per program and
+# warps. bench.gpu_report sweeps them on the H200 (`set_config`); every variant gives the same bits
+# (tests/gpu runs all of them, and v3/v4 against v2 exhaustively over bf16 inputs). Defaults: the
+# sweep's winners on the H200, 2026-11-30 (bench/results/gpu_report-cuda.json): v4 quantize at
+# 2,048 values / 2 warps (main 1.59 -> 1.35 ms), v3 dequantize and gather at 2,048 / 2 (main
+# dequantize 1.03 -> 0.85 ms).
 _OPS = ("quantize", "dequantize", "gather_dequantize")
-_CONFIG = {"quantize": {"variant": "v2", "elems": 1024, "num_warps": 1},
-           "dequantize": {"variant": "v2", "elems": 1024, "num_warps": 1},
-           "gather_dequantize": {"variant": "v2", "elems": 1024, "num_warps": 2}}
+_CONFIG = {"quantize": {"variant": "v4", "elems": 2048, "num_warps": 2},
+           "dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2},
+           "gather_dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2}}
+VARIANTS = ("v1", "v2", "v3", "v4")
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,
                op: str | None = None) -> dict:
     """Choose the kernel variant and launch shape of one op (default: every op); returns the old config."""
     old = {k: dict(v) for k, v in _CONFIG.items()}
-    if variant is not None and variant not in ("v1", "v2"):
-        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     for name in _OPS if op is None else (op,):
         cfg = _CONFIG[name]
         for key, value in (("variant", variant), ("elems", elems), ("num_warps", num_warps)):
@@ -338,7 +485,7 @@ def restore_config(saved: dict) -> None:
 def _launch(op: str, dim: int):
     """(kernel, rows per program, warps) for `op` at row width `dim`."""
     cfg = _CONFIG[op]
-    kernel = globals()[f"_{op}_v2_kernel" if cfg["variant"] == "v2" else f"_{op}_kernel"]
+    kernel = globals()[f"_{op}_kernel" if cfg["variant"] == "v1" else f"_{op}_{cfg['variant']}_kernel"]
     return kernel, max(1, cfg["elems"] // dim), cfg["num_warps"]
 
 

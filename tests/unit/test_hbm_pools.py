@@ -127,3 +127,27 @@ def test_pinned_host_tier_and_load_from_without_staging() -> None:
         assert asyncio.run(tier.get(r.key)).payload == r.payload  # checksum carried over from the host
     assert tier.usage().by_kind[GLOBAL].resident_bytes == 5 * (100 + record_overhead_bytes(1))
     assert asyncio.run(host.delete(recs[0].key)) and asyncio.run(host.get(recs[0].key)) is None
+
+
+def test_load_from_many_keys_duplicates_and_misses() -> None:
+    """200 keys in one call: every record lands bit-exactly, a key given twice is held once with
+    the later copy, a key the host lacks gets None, and the accounting equals that of the records
+    held."""
+    from tiers.hbm import PinnedHostTier
+    from tiers.host import HostTier
+
+    host = PinnedHostTier(HostTier(1 << 20), {GLOBAL: 100, INDEX: 40}, {GLOBAL: 160, INDEX: 60}, pin=False)
+    recs = [_record(GLOBAL, 100, i % 251, i) for i in range(150)] + [_record(INDEX, 40, i % 7, 1000 + i) for i in range(48)]
+    for r in recs:
+        assert asyncio.run(host.put(r))
+    missing = _record(GLOBAL, 100, 3, 5000)
+    keys = [r.key for r in recs] + [missing.key, recs[3].key]  # recs[3] twice
+    tier = _tier(slots=200)
+    events = tier.load_from(host, keys)
+    assert len(events) == len(keys) and events[-2] is None and all(e is not None for i, e in enumerate(events) if i != 198)
+    for r in recs:
+        assert asyncio.run(tier.get(r.key)).payload == r.payload
+    u = tier.usage()
+    assert u.by_kind[GLOBAL].num_records == 150 and u.by_kind[INDEX].num_records == 48
+    assert u.by_kind[GLOBAL].resident_bytes == 150 * (100 + record_overhead_bytes(1))
+    assert tier.pools[GLOBAL].num_free_slots == 50  # the first copy of recs[3] gave its page back
