@@ -4,7 +4,7 @@ Why kernels: the torch codecs take ~10 elementwise passes (block amax, scale, di
 floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the input once
 and writes codes and scales once. On the H200 that is 24x (quantize) and 6-8x (dequantize)
 faster than the torch codecs on CUDA. Against a device copy of the same bytes
-(bench/results/gpu_report-cuda.json, 2026-11-30): dequantize 76% (v3: each packed byte read once),
+(bench/results/gpu_report-cuda.json, 2026-11-29): dequantize 76% (v3: each packed byte read once),
 quantize 46% (E4M3) and 58% (E8M0) with v4. Quantize is bound by the integer/logic pipe (Nsight
 Compute on v4: ALU pipe 82% busy, occupancy 19% from registers): the compares and selects of the
 block max, the scale and the encoder, not the bytes; v3/v4 cut the per-value division to one per
@@ -453,7 +453,7 @@ if triton is not None:
 # over [blocks, BS] tiles with a 3-instruction E2M1 encoder; v3's decoders), values per program and
 # warps. bench.gpu_report sweeps them on the H200 (`set_config`); every variant gives the same bits
 # (tests/gpu runs all of them, and v3/v4 against v2 exhaustively over bf16 inputs). Defaults: the
-# sweep's winners on the H200, 2026-11-30 (bench/results/gpu_report-cuda.json): v4 quantize at
+# sweep's winners on the H200, 2026-11-29 (bench/results/gpu_report-cuda.json): v4 quantize at
 # 2,048 values / 2 warps (main 1.59 -> 1.35 ms), v3 dequantize and gather at 2,048 / 2 (main
 # dequantize 1.03 -> 0.85 ms).
 _OPS = ("quantize", "dequantize", "gather_dequantize")
