@@ -30,8 +30,9 @@ Paths (each: put every chunk, one at a time, waiting for it to be stored; then g
 same disk directory (or the same Redis), or a statestore server killed with SIGKILL and started on
 the same data directory (SSD and Redis paths). `durable` says what a put waited for before it was
 acknowledged (this machine's Redis keeps nothing on disk: "redis SET" survives restarts of
-LMCache and statestore, not of Redis). Reads of files (LMCache's disk without O_DIRECT, statestore's SSD tier) come from the
-page cache right after the write, for both. Figures on the shared 2-core CPU are relative only.
+LMCache and statestore, not of Redis). Reads of files (LMCache's disk without O_DIRECT,
+statestore's SSD tier) come from the page cache right after the write, for both. Figures on
+the shared 2-core CPU are relative only.
 
 Floors (issue 9): statestore's SSD path >= LMCache's local disk with O_DIRECT, put and get;
 statestore over Redis >= LMCache's `redis://`, put and get.
@@ -75,7 +76,8 @@ class Server:
 
     def __init__(self, data_dir: Path, *, host_budget_bytes: int, redis_prefix: str = "", port: int = 0) -> None:
         self.data_dir, self.port = data_dir, port
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(host_budget_bytes),
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                    "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(host_budget_bytes),
                     "STATESTORE_SERVER_MAX_STREAM_BYTES": str(1 << 30)}
         if redis_prefix:
             self.env.update(STATESTORE_STORAGE_REDIS_URL=REDIS_URL, STATESTORE_STORAGE_REDIS_PREFIX=redis_prefix)
@@ -261,7 +263,8 @@ def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, 
     return rows
 
 
-def evict_from(target: str, loop: asyncio.AbstractEventLoop, connector: Any, tiers: Sequence[str]) -> Callable[[list[Any]], None]:
+def evict_from(target: str, loop: asyncio.AbstractEventLoop, connector: Any,
+               tiers: Sequence[str]) -> Callable[[list[Any]], None]:
     """Drop the chunks' copies in `tiers` on the server, so gets read the tier measured."""
     from statestore.client import StateStoreClient
 

@@ -395,7 +395,8 @@ class StateStoreClient:
             raise ServiceError(exc.code(), exc.details() or "", "PutRecords") from None
         return [PutInfo(bytes(r.key), Durability(r.durability), tuple(r.tiers), r.evicted) for r in reply.results]
 
-    async def get_payloads_into(self, keys: Sequence[bytes], sink: PayloadSink, *, head_bytes: int = 4096) -> list[bool]:
+    async def get_payloads_into(self, keys: Sequence[bytes], sink: PayloadSink, *,
+                                head_bytes: int = 4096) -> list[bool]:
         """Fetch records straight into buffers `sink` hands out (see `PayloadSink`): per key, True
         when the payload arrived verified, False for a miss or a discarded record."""
         if not 0 < head_bytes <= 1 << 20:

@@ -158,7 +158,8 @@ class _Incoming:
         header, self.checksum = decode_header(buf[:HEADER_SIZE])
         raw = header.raw_length
         if header.flags or HEADER_SIZE + raw != self.total_bytes:
-            raise RecordError(f"record of {HEADER_SIZE + raw} bytes (flags {header.flags}) in a {self.total_bytes}-byte slot")
+            raise RecordError(f"record of {HEADER_SIZE + raw} bytes (flags {header.flags}) "
+                              f"announced as {self.total_bytes} bytes")
         if header.key != self.key:
             raise RecordError("the server answered another key")
         head_len = min(self.head_bytes, raw)
@@ -292,7 +293,8 @@ class PayloadTransport:
                 try:
                     return await self._put_shm(region, window, items, durability, pin)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or not (exc.details() or "").startswith("shm:"):
+                    refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    if not refused or not (exc.details() or "").startswith("shm:"):
                         raise
                     logger.warning("statestore: shared-memory put refused (%s): gRPC frames from now on", exc.details())
                     self.disable_shm()

@@ -153,7 +153,8 @@ class ShmAttachments:
         window = ShmWindow.parse(value if isinstance(value, str) else value.decode("ascii", "replace"))
         region = self._attach(window)
         if window.offset + window.length > region.size:
-            raise ShmUnavailable(f"shm: window [{window.offset}, +{window.length}) exceeds the {region.size}-byte region")
+            raise ShmUnavailable(f"shm: window [{window.offset}, +{window.length}) exceeds the "
+                                 f"{region.size}-byte region")
         return window
 
     def buffer(self, window: ShmWindow) -> mmap.mmap:

@@ -350,8 +350,8 @@ class StateStoreConnector(RemoteConnector):
     async def _prefix_hits(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many keys, from the first, statestore holds (one Lookup per 64K keys)."""
         block_keys = [self.record_key(k)[2:] for k in keys]
-        return await self._guarded("lookup", self._open().count_prefix(block_keys, _KIND, model_fingerprint=self.fingerprint),
-                                   0, self.settings.lookup_timeout_s)
+        lookup = self._open().count_prefix(block_keys, _KIND, model_fingerprint=self.fingerprint)
+        return await self._guarded("lookup", lookup, 0, self.settings.lookup_timeout_s)
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return await self._prefix_hits([key]) == 1

@@ -106,7 +106,8 @@ async def test_payloads_round_trip_through_either_path(server: StateStoreServer,
         records = await c.get_records(keys)  # the plain record API reads what the payload API stored
         assert [r.payload if r else None for r in records] == [b"".join(bytes(p) for p in i.parts) for i in items]
         head = await c.read_head(keys[4], 16)
-        assert head is not None and head[0].key == keys[4] and head[1] == b"".join(bytes(p) for p in items[4].parts)[:16]
+        payload4 = b"".join(bytes(p) for p in items[4].parts)
+        assert head is not None and head[0].key == keys[4] and head[1] == payload4[:16]
         assert await c.read_head(missing, 16) is None
         assert await c.count_prefix([i.header.block_key for i in items] + [missing[2:]], 6,
                                     model_fingerprint=fingerprint) == len(items)
