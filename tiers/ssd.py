@@ -256,7 +256,7 @@ class _SparePool:
     """Spare files (paths) whose names are durable, claimed by new keys' puts on the loop."""
 
     limit: int  # the most spares kept
-    target: int = 0  # spares kept now: grows (doubling) up to `limit` when a put finds none
+    target: int = 0  # spares kept now: doubles up to `limit` when claims bring the pool to a quarter
     ready: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
     refilling: bool = False
     ran_low: bool = False  # since the last refill: grow once per time the pool runs low
