@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import torch
@@ -333,29 +333,21 @@ class HbmTier(Tier):
         entries = host._index
         found = list(map(entries.get, keys))
         events: list[object | None] = [None] * len(keys)
-        groups: dict[int, list[int]] = {}  # kind -> positions in `keys`
-        if None not in found:  # every key pinned: group with C-level maps, not a loop of dict operations
-            kinds = list(map(_KIND, found))
-            distinct = set(kinds)
-            for kind in distinct:
-                if kind in self.pools:
-                    groups[kind] = list(range(len(keys))) if len(distinct) == 1 else \
-                        [i for i, k in enumerate(kinds) if k == kind]
-        else:
-            for i, e in enumerate(found):
-                if e is not None and e.kind in self.pools:
-                    groups.setdefault(e.kind, []).append(i)
-        # 1. per kind: source pages, one allocation, runs; every copy is issued before any bookkeeping
-        placed: list[tuple[int, list[int], list[_Resident], list[int], bool]] = []
+        # 1. per kind: its positions in `keys` (a range when the kind's keys are adjacent, as a
+        #    checkpoint's are), source pages, one allocation; every copy is issued before any
+        #    bookkeeping. C-level maps and slices: on the H200 host the Python before the first
+        #    byte moves is what separates this load from a plain copy.
+        groups = _group_by_kind(found, self.pools)
+        placed: list[tuple[int, range | list[int], list[_Resident], list[int], bool]] = []
         copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]] = []
-        for kind, pos in groups.items():
+        for kind, pos in groups:
             src_pool, dst_pool = host.pinned_pools[kind], self.pools[kind]
             if src_pool.page_bytes != dst_pool.page_bytes:
                 raise ValueError(f"kind {kind}: host pages of {src_pool.page_bytes} B, hbm pages of {dst_pool.page_bytes} B")
-            items = [found[i] for i in pos]
+            items = found[pos.start: pos.stop] if isinstance(pos, range) else [found[i] for i in pos]
             slot_lists = list(map(_SLOTS, items))
             single = sum(map(len, slot_lists)) == len(items)  # one page per record (the usual case)
-            src_ids = [t[0] for t in slot_lists] if single else [sid for t in slot_lists for sid in t]
+            src_ids = list(map(_FIRST, slot_lists)) if single else [sid for t in slot_lists for sid in t]
             ids = dst_pool.allocate(len(src_ids))
             if ids is None:
                 continue
@@ -366,7 +358,9 @@ class HbmTier(Tier):
         index = self._index
         for kind, pos, items, ids, single in placed:
             page = self.pools[kind].page_bytes
-            batch_keys = [keys[i] for i in pos]
+            batch_keys = keys[pos.start: pos.stop] if isinstance(pos, range) else [keys[i] for i in pos]
+            if not isinstance(batch_keys, list):
+                batch_keys = list(batch_keys)
             unique = set(batch_keys)
             if not index.keys().isdisjoint(unique):  # replaced records give their pages back first
                 for key in unique:
@@ -395,8 +389,11 @@ class HbmTier(Tier):
                     index[key] = resident
                     n = len(resident.slot_ids)
                     self._count(kind, resident.payload_len, n * page + record_overhead_bytes(n), +1)
-            for i in pos:
-                events[i] = event
+            if isinstance(pos, range):
+                events[pos.start: pos.stop] = repeat(event, len(pos))
+            else:
+                for i in pos:
+                    events[i] = event
         return events
 
     def _copy_slot_runs_many(self, copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]]) -> object:
@@ -503,12 +500,37 @@ class HbmTier(Tier):
         return event
 
 
+_FIRST = itemgetter(0)
 _new_resident = partial(tuple.__new__, _Resident)  # C-level construction (NamedTuple.__new__ is a Python frame)
 _KIND = attrgetter("kind")
 _SLOTS = attrgetter("slot_ids")
 _HEADER = attrgetter("header")
 _PAYLOAD_LEN = attrgetter("payload_len")
 _VERIFIED = attrgetter("verified")
+
+
+def _group_by_kind(found: list[_Resident | None], pools: Mapping[int, SlotPool]) -> list[tuple[int, range | list[int]]]:
+    """(kind, positions in `found`) for each kind this tier pools; None entries are skipped.
+
+    Positions are one `range` per kind when each kind's entries are adjacent (a checkpoint's
+    keys, kind by kind), found with C-level list methods; otherwise index lists.
+    """
+    if all(found):  # no None (entries are non-empty tuples): C-level, unlike `None not in found`
+        kinds = list(map(_KIND, found))
+        out: list[tuple[int, range | list[int]]] = []
+        for kind in set(kinds):
+            start, n = kinds.index(kind), kinds.count(kind)
+            if kinds[start: start + n] != [kind] * n:
+                break  # a kind's keys are interleaved with another's: index lists below
+            if kind in pools:
+                out.append((kind, range(start, start + n)))
+        else:
+            return sorted(out, key=lambda kr: kr[1].start)
+    lists: dict[int, list[int]] = {}
+    for i, e in enumerate(found):
+        if e is not None and e.kind in pools:
+            lists.setdefault(e.kind, []).append(i)
+    return list(lists.items())
 
 
 def _slot_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
