@@ -298,34 +298,37 @@ class _Reassembler:
             raise _BadField(f"record {len(self.done)}: a message that is not a RecordChunk") from None
         self.feed(chunk)
 
+    @property
+    def _where(self) -> str:  # for error messages only: a property, so the hot path formats nothing
+        return f"record {len(self.done)}"
+
     def feed(self, chunk: common_pb2.RecordChunk) -> None:
         part = chunk.WhichOneof("part")
-        where = f"record {len(self.done)}"
         if part == "start":
             self._finish()
             start = chunk.start
-            _record_key(start.key, f"{where}: start.key")
+            if len(start.key) != RECORD_KEY_BYTES:
+                _record_key(start.key, f"{self._where}: start.key")  # raises, naming the field
             if not HEADER_SIZE <= start.total_bytes <= self._max_record:
-                raise _BadField(f"{where}: start.total_bytes {start.total_bytes} outside [{HEADER_SIZE}, "
+                raise _BadField(f"{self._where}: start.total_bytes {start.total_bytes} outside [{HEADER_SIZE}, "
                                 f"{self._max_record}] (header size .. the server's max_record_bytes)")
             self._total += start.total_bytes
             if self._total > self._max_stream:
-                raise _BadField(f"{where}: the stream's records exceed max_stream_bytes {self._max_stream}; "
+                raise _BadField(f"{self._where}: the stream's records exceed max_stream_bytes {self._max_stream}; "
                                 f"send them in several PutRecords calls")
             self._start = start
         elif part == "data":
             self._feed_data(chunk.data)
         else:
-            raise _BadField(f"{where}: an empty RecordChunk (set start or data)")
+            raise _BadField(f"{self._where}: an empty RecordChunk (set start or data)")
 
     def _feed_data(self, data: bytes | memoryview) -> None:
-        where = f"record {len(self.done)}"
         if self._start is None:
-            raise _BadField(f"{where}: a data chunk came before its start message")
+            raise _BadField(f"{self._where}: a data chunk came before its start message")
         if self._data_in_shm:
-            raise _BadField(f"{where}: a data chunk in a shared-memory PutRecords (its bytes are in the window)")
+            raise _BadField(f"{self._where}: a data chunk in a shared-memory PutRecords (its bytes are in the window)")
         if self._received + len(data) > self._start.total_bytes:
-            raise _BadField(f"{where}: data exceeds start.total_bytes {self._start.total_bytes}")
+            raise _BadField(f"{self._where}: data exceeds start.total_bytes {self._start.total_bytes}")
         self._parts.append(data)
         self._received += len(data)
 
@@ -484,7 +487,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
 
     async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart, Durability]],
                             parts: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]) -> Any:
-        results = []
+        response = statestore_pb2.PutRecordsResponse()
+        add = response.results.add  # built in place: no per-record message copied into the response
         stored_bytes = 0
         try:
             for i, (record, start, durability) in enumerate(verified):
@@ -495,12 +499,11 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                         exc.args = (f"{exc} ({i} earlier record(s) of this stream were stored)",)
                     raise
                 stored_bytes += parts[i][0].total_bytes
-                results.append(statestore_pb2.PutResultInfo(key=put.key, durability=int(put.durability),
-                                                            tiers=sorted(t.value for t in put.tiers),
-                                                            evicted=len(put.evicted)))
+                add(key=put.key, durability=int(put.durability), tiers=sorted(t.value for t in put.tiers),
+                    evicted=len(put.evicted))
         finally:  # once per call, not per record: the counter takes a lock
             self._owner.calls.metrics.bytes_moved.labels("in").inc(stored_bytes)
-        return statestore_pb2.PutRecordsResponse(results=results)
+        return response
 
     async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes | memoryview],
                       tid: bytes) -> tuple[Record, common_pb2.RecordStart, Durability]:
