@@ -142,7 +142,8 @@ def test_admission_refuses_an_ssd_copy_that_does_not_pay_its_write_and_counts_it
     p = trained_policy()
     tail = fresh_in_chain(1, 40, 39, p, tiers=())  # being put: no copy anywhere yet
     inner = fresh_in_chain(2, 40, 10, p, tiers=())
-    slow_ssd = TierCost(SSD, 1e-4, 5e6, budget_bytes=100_000 * SIZE, resident_bytes=0)  # a write costs 2 ms
+    # a write takes 10 ms, weighted 0.25: a copy must save more than 2.5 ms
+    slow_ssd = TierCost(SSD, 1e-4, 1e6, budget_bytes=100_000 * SIZE, resident_bytes=0)
     tiers = {HOST: HOST_COST, SSD: slow_ssd}
     assert p.decide_put(inner, tiers) == {HOST, SSD}
     assert p.decide_put(tail, tiers) == {HOST}  # unlikely to be read again: not worth an SSD write
