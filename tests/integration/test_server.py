@@ -187,8 +187,8 @@ async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:
     config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", metrics_port=port)
     async with StateStoreServer(config) as srv:
         async with StateStoreClient(f"127.0.0.1:{srv.port}") as c:
-            await c.put_records([record(srv, 1)])
-            await c.get_records([record(srv, 1).key])
+            await c.put_records([record(srv, 1), record(srv, 2)])
+            await c.get_records([record(srv, 1).key, record(srv, 2).key, record(srv, 3).key])  # two hits, a miss
             await c.create_session("m")
             await c.append("m", list(range(70)))
             await c.checkpoint("m")
@@ -201,7 +201,9 @@ async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:
     assert 'statestore_tier_resident_bytes{kind="GLOBAL_KV",tier="host"}' in text
     assert re.search(r'statestore_hits_total{kind="GLOBAL_KV",tier="host"} [1-9]', text)
     assert 'statestore_rpc_calls_total{code="OK",method="PutRecords"} 1.0' in text
-    assert 'statestore_bytes_moved_total{direction="in"}' in text
+    moved = float(2 * (HEADER_SIZE + 4096))  # counted once per call: the two records each way
+    assert f'statestore_bytes_moved_total{{direction="in"}} {moved}' in text
+    assert f'statestore_bytes_moved_total{{direction="out"}} {moved}' in text
 
 
 # ----- bad input: right code, useful message, server serving, state unchanged -----------------
