@@ -558,7 +558,8 @@ class TieredStore:
         return None
 
     def _search_order(self, meta: StateMeta | None) -> list[TierName]:
-        return [n for n in TIER_ORDER if n in self._tiers and (n in SHARED_TIERS or (meta is not None and n in meta.tiers))]
+        held = meta.tiers if meta is not None else frozenset()
+        return [n for n in TIER_ORDER if n in self._tiers and (n in SHARED_TIERS or n in held)]
 
     @staticmethod
     def _belongs(record: Record, fingerprint: bytes | None, tenant: bytes | None) -> bool:
@@ -779,7 +780,10 @@ class TieredStore:
             queue.remove(key)
 
     def _counter(self, name: TierName, kind: int) -> _Counters:
-        return self._counters.setdefault((name, kind), _Counters())
+        counters = self._counters.get((name, kind))
+        if counters is None:  # not setdefault: that would build a _Counters on every hit
+            counters = self._counters[(name, kind)] = _Counters()
+        return counters
 
     def _event(self, kind: EventKind, key: RecordKey, tier: TierName, reason: str) -> None:
         if self._config.enable_events:
