@@ -5,10 +5,10 @@ floor + ceil, table lookup, pack), each a trip through HBM; one kernel reads the
 and writes codes and scales once. On the H200 that is 24x (quantize) and 6-8x (dequantize)
 faster than the torch codecs on CUDA. Against a device copy of the same bytes
 (bench/results/gpu_report-cuda.json, 2026-11-29): dequantize 76% (v3: each packed byte read once),
-quantize 46% (E4M3) and 58% (E8M0) with v4. Quantize is bound by the integer/logic pipe (Nsight
-Compute on v4: ALU pipe 82% busy, occupancy 19% from registers): the compares and selects of the
-block max, the scale and the encoder, not the bytes; v3/v4 cut the per-value division to one per
-block plus an fma correction and the encoder to one fma, but E4M3 is still short of 60%.
+quantize 54% (E4M3) and 68% (E8M0) with v5. Quantize is bound by the integer/logic pipe (Nsight
+Compute on v4: ALU pipe 82% busy, occupancy 19% from registers): compares, selects and min/max,
+not bytes. v3-v5 cut the per-value division to one per block plus an fma correction (E4M3) and
+move the E2M1 encoder onto the FMA pipe; E4M3 is still short of 60% of copy.
 Decode attention also needs
 only the top-k selected entries: `gather_dequantize_fp4` reads those packed rows (288 B) and
 writes bf16/fp32 rows, instead of keeping every entry dequantized and gathering from it.
@@ -399,6 +399,26 @@ if triton is not None:
         return tl.minimum(tl.fma(a, s, m).to(tl.int32, bitcast=True) - 0x4B000000, 7)
 
     @triton.jit
+    def _e2m1_codes_v5(t):
+        """E2M1 code of t / 4 (NaN not handled: the caller zeroes NaN blocks) with most work on
+        the FMA pipe, where v4's compares and selects loaded the integer/logic pipe that bounds
+        quantize (Nsight: ALU 82% busy).
+
+        The code of a = |t| (quarters of the grid) is rint(min(a/2, 2 + a/4, 4 + a/8)) clamped at
+        7: the grid is concave piecewise linear in the code, and rint is monotone, so it is also
+        the min of the three rounded lines. Each line is rounded exactly by one fma against
+        2**23 + offset (a * s is exact; ties to even as the table: 1 -> 0, 3 -> 2, 5 -> 2, 7 -> 4,
+        10 -> 4, 14 -> 6, 20 -> 6), the min of those floats is taken with 2**23 + 7 (inf -> 7), and
+        the code is the low 3 bits. The sign bit is that of t + 0.0, which is +0.0 for -0.0: set
+        exactly when t < 0.
+        """
+        a = tl.abs(t)
+        m = tl.minimum(tl.minimum(tl.fma(a, 0.5, 8388608.0), tl.fma(a, 0.25, 8388610.0)),
+                       tl.minimum(tl.fma(a, 0.125, 8388612.0), 8388615.0))
+        sign = ((t + 0.0).to(tl.int32, bitcast=True) >> 28) & 8
+        return (m.to(tl.int32, bitcast=True) & 7) | sign
+
+    @triton.jit
     def _quantize_v4_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
                             D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
         """One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
@@ -439,10 +459,53 @@ if triton is not None:
         tl.store(codes_ptr + blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :], packed, mask=valid[:, None])
         tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
 
+    @triton.jit
+    def _quantize_v5_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """v4 with `_e2m1_codes_v5`. One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
+        contiguous), a program takes ROWS * D / BS of them. The block max is a plain row
+        reduction and the scale math runs once per block; the [ROWS, NB, BS] reshape of v2/v3
+        made the compiler replicate the per-block scale math across a thread's values."""
+        NB: tl.constexpr = D // BS
+        NBLK: tl.constexpr = ROWS * NB
+        blk = tl.program_id(0).to(tl.int64) * NBLK + tl.arange(0, NBLK)
+        valid = (blk // NB) < n_rows  # (n_rows may arrive as a constant: triton specialises 1)
+        cols = tl.arange(0, BS)
+        x = tl.load(x_ptr + blk[:, None] * BS + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 1, _max_nan)  # [NBLK]
+        if E4M3:
+            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+            v = tl.where(amax != amax, amax, v)
+            byte, scale = _e4m3_round(v)
+            q = scale * 0.25
+            r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, None]
+            t1 = x * r
+            t2 = tl.fma(tl.fma(t1, -q[:, None], x), r, t1)  # Markstein: see _div_rn_by_block
+            t = tl.where(tl.abs(t1) < 32.0, t2, t1)
+        else:
+            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
+            vb = v.to(tl.int32, bitcast=True)
+            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
+            recip = ((256 - byte) << 23).to(tl.float32, bitcast=True)  # as _div_pow2
+            recip = tl.where(byte == 1, 1.7014118346046923e38, recip)
+            pre = tl.where(byte == 1, 2.0, 1.0)
+            t = (x * pre[:, None]) * recip[:, None]
+        codes = _e2m1_codes_v5(t)
+        lo, hi = tl.split(tl.reshape(codes, [NBLK, BS // 2, 2]))
+        # the blocks whose every t is NaN get code 0 here, once per byte: a NaN in the block (both
+        # formats) or an inf (E8M0: scale byte 255, which decodes to NaN)
+        nan_block = (amax != amax) if E4M3 else (byte == 255)
+        packed = tl.where(nan_block[:, None], 0, lo + hi * 16).to(tl.uint8)
+        tl.store(codes_ptr + blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :], packed, mask=valid[:, None])
+        tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
 
-    # v4 changes only the quantizer; its decoders are v3's
+
+    # v4 and v5 change only the quantizer; their decoders are v3's
     _dequantize_v4_kernel = _dequantize_v3_kernel
     _gather_dequantize_v4_kernel = _gather_dequantize_v3_kernel
+    _dequantize_v5_kernel = _dequantize_v3_kernel
+    _gather_dequantize_v5_kernel = _gather_dequantize_v3_kernel
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: same signatures and results as the codecs.py functions of the same names.
@@ -450,17 +513,17 @@ if triton is not None:
 
 # Kernel variant and launch shape per op: "v1" (4-D tiles), "v2" (2-D tiles, cheaper encode),
 # "v3" (v2 + one division per block for E4M3; decoders read each packed byte once), "v4" (quantize
-# over [blocks, BS] tiles with a 3-instruction E2M1 encoder; v3's decoders), values per program and
-# warps. bench.gpu_report sweeps them on the H200 (`set_config`); every variant gives the same bits
-# (tests/gpu runs all of them, and v3/v4 against v2 exhaustively over bf16 inputs). Defaults: the
-# sweep's winners on the H200, 2026-11-29 (bench/results/gpu_report-cuda.json): v4 quantize at
-# 2,048 values / 2 warps (main 1.59 -> 1.35 ms), v3 dequantize and gather at 2,048 / 2 (main
-# dequantize 1.03 -> 0.85 ms).
+# over [blocks, BS] tiles), "v5" (v4 with the FMA-pipe encoder `_e2m1_codes_v5`; v3's decoders),
+# values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); every
+# variant gives the same bits (tests/gpu runs all of them, and v3-v5 against v2 exhaustively over
+# bf16 inputs). Defaults: near the sweep's winners on the H200, 2026-11-29
+# (bench/results/gpu_report-cuda.json): v5 quantize at 2,048 values / 2 warps (main 1.59 -> 1.22 ms,
+# index 1.22 -> 0.98 ms), v3 dequantize and gather at 2,048 / 2 (main dequantize 1.03 -> 0.85 ms).
 _OPS = ("quantize", "dequantize", "gather_dequantize")
-_CONFIG = {"quantize": {"variant": "v4", "elems": 2048, "num_warps": 2},
+_CONFIG = {"quantize": {"variant": "v5", "elems": 2048, "num_warps": 2},
            "dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2},
            "gather_dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2}}
-VARIANTS = ("v1", "v2", "v3", "v4")
+VARIANTS = ("v1", "v2", "v3", "v4", "v5")
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,

@@ -23,7 +23,7 @@ pytestmark = [
 ROWS = 4096 if DEVICE == "cuda" else 48
 
 
-@pytest.fixture(autouse=True, params=["v1", "v2", "v3", "v4"])
+@pytest.fixture(autouse=True, params=["v1", "v2", "v3", "v4", "v5"])
 def variant(request: pytest.FixtureRequest):
     """Every test runs against both kernel variants (they must give the same bits)."""
     saved = tc.set_config(request.param)
@@ -119,7 +119,7 @@ def test_v3_blockwise_division_equals_div_rn_exhaustively() -> None:
     """v3 divides by one reciprocal per block plus an fma correction (Markstein) instead of a
     correctly rounded division per value: for every E4M3 scale and every bf16 value a block
     with that scale can hold, and for 16M random float32 values over 60 decades, its codes and
-    scales equal v2's (`div_rn` per value) bit for bit. CUDA only: the interpreter is too slow
+    scales equal v2's (`div_rn` per value) bit for bit; the E8M0 quantizers likewise on the same data. CUDA only: the interpreter is too slow
     for 20M values, and only the device's fma and division are the ones that matter."""
     if DEVICE != "cuda":
         pytest.skip("exhaustive sweep: CUDA only")
@@ -139,12 +139,14 @@ def test_v3_blockwise_division_equals_div_rn_exhaustively() -> None:
     y = torch.randn(1 << 15, 512, device="cuda", generator=g) * torch.exp2(
         torch.randint(-100, 100, (1 << 15, 1), device="cuda", generator=g).float())
     for inp in (x, y):
-        results = {}
-        for variant in ("v2", "v3", "v4"):
-            saved = tc.set_config(variant, op="quantize")
-            try:
-                results[variant] = tc.quantize_fp4_e4m3(inp, 16)
-            finally:
-                tc.restore_config(saved)
-        for v in ("v3", "v4"):
-            assert _same(results[v].codes, results["v2"].codes) and _same(results[v].scales, results["v2"].scales), v
+        for quant, block in ((tc.quantize_fp4_e4m3, 16), (tc.quantize_fp4_e8m0, 32)):
+            results = {}
+            for variant in ("v2", "v3", "v4", "v5"):
+                saved = tc.set_config(variant, op="quantize")
+                try:
+                    results[variant] = quant(inp, block)
+                finally:
+                    tc.restore_config(saved)
+            for v in ("v3", "v4", "v5"):
+                assert _same(results[v].codes, results["v2"].codes), (v, block)
+                assert _same(results[v].scales, results["v2"].scales), (v, block)
