@@ -454,24 +454,44 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         window = self._shm_window(context, put=True)
         assembler = _Reassembler(owner.config.max_record_bytes, owner.config.max_stream_bytes,
                                  data_in_shm=window is not None)
+        tid = tenant_id(tenant)
+        verified: list[tuple[Record, common_pb2.RecordStart, Durability]] = []
         async for frame in request_iterator:
             assembler.feed_frame(frame)
+            if window is None:
+                await self._verify_done(assembler.done, verified, tid)
         parts = assembler.records()
-        if window is not None:  # the bytes are in the client's window: views, copied once by _verify
+        if window is None:
+            await self._verify_done(parts, verified, tid, final=True)
+        else:  # the bytes are in the client's window: views, copied once by _verify
             try:
                 views = slot_views(owner.shm.buffer(window), window, [start.total_bytes for start, _ in parts])
             except ShmUnavailable as exc:
                 raise _Precondition(str(exc)) from None
             parts = [(start, [view]) for (start, _), view in zip(parts, views)]
-        tid = tenant_id(tenant)
-        try:
-            verified = [await self._verify(i, start, buf, tid) for i, (start, buf) in enumerate(parts)]
-        finally:
-            for _, bufs in parts if window is not None else ():
-                for view in bufs:
-                    view.release()
+            try:
+                verified = [await self._verify(i, start, buf, tid) for i, (start, buf) in enumerate(parts)]
+            finally:
+                for _, bufs in parts:
+                    for view in bufs:
+                        view.release()
         async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
             return await self._put_verified(verified, parts)
+
+    async def _verify_done(self, done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]],
+                           verified: list[tuple[Record, common_pb2.RecordStart, Durability]], tid: bytes,
+                           *, final: bool = False) -> None:
+        """Verify the records the stream has completed since the last call, and drop their chunks.
+
+        Called as each record completes, so its chunks are joined and checksummed while they are
+        still in cache and freed at once, instead of all after the stream (nothing is stored
+        until every record is verified either way; `final` marks the call after the stream).
+        """
+        while len(verified) < len(done):
+            i = len(verified)
+            start, chunks = done[i]
+            verified.append(await self._verify(i, start, chunks, tid))
+            chunks.clear()  # the verified record holds its own copy of the payload
 
     def _shm_window(self, context: Any, *, put: bool) -> ShmWindow | None:
         """The shared-memory window the call names (statestore/shm.py), None without one. A put
