@@ -22,9 +22,10 @@ New key, through a spare (`write_spare`), one journal commit and no directory fs
 
 This deviates from "write to temp, fsync, rename, fsync the directory" (DESIGN section 4) on
 purpose: the temp file is a spare whose name was made durable before the put, so the put
-needs no directory fsync of its own. A directory fsync after a file's fdatasync costs a
-device cache flush of its own (ext4 sends one even when the journal has nothing left to
-commit): on the development VM that flush made 256 KiB puts ~1.3-1.9x slower
+needs no directory fsync of its own. A directory fsync after a file's fdatasync is a second
+synchronous trip to the device (a journal commit, or on ext4 at least a cache flush when the
+journal has nothing left to commit): on the development VM 64-256 KiB puts with it took
+~1.3-1.9x as long, and the tier with spares puts 256 KiB records 2.3-2.5x faster than without
 (bench/tiers.py, `vs_dirsync`). What the deviation relies on is what every temp + rename
 protocol relies on: a rename is atomic across a crash (ext4, XFS, btrfs journal it as one
 operation), so the record is found under the spare name or the final one, never neither.
