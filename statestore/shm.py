@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiers.record import HEADER_SIZE, Record, encode_header, payload_checksum
+from tiers.record import HEADER_SIZE, Record, encode_header
 
 METADATA_KEY = "x-statestore-shm"
 ATTACHED = "attached"
@@ -236,7 +236,7 @@ def slot_views(buf: mmap.mmap, window: ShmWindow, totals: Sequence[int]) -> list
 
 def _write_slot(buf: mmap.mmap, offset: int, record: Record) -> None:
     payload = record.payload
-    header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=payload_checksum(payload))
+    header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=record.payload_sum())
     view = memoryview(buf)
     try:
         view[offset:offset + HEADER_SIZE] = header

@@ -76,7 +76,7 @@ def record_frames(record: Record, chunk_bytes: int) -> Iterator[bytes]:
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes {chunk_bytes} must be positive")
     payload = record.payload
-    header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=payload_checksum(payload))
+    header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=record.payload_sum())
     view = memoryview(payload)
     yield data_frame(header, view[:chunk_bytes])
     for offset in range(chunk_bytes, len(payload), chunk_bytes):
@@ -100,7 +100,7 @@ def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None) -> R
         raise RecordError("payload checksum mismatch: the payload is corrupt")
     if expect_key is not None and header.key != expect_key:
         raise RecordError("record key does not match the key it was stored under")
-    return Record(header, payload)
+    return Record(header, payload, checksum)
 
 
 async def join_parts_off_loop(parts: Sequence[Buffer], total_bytes: int, *, expect_key: bytes | None = None) -> Record:

@@ -609,7 +609,7 @@ class PinnedHostTier(Tier):
                     else record.payload
                 ctypes.memmove(pool.tensor[sid].data_ptr(), chunk, len(chunk))
         header = encode_header(record.header, stored_length=len(record.payload), flags=0,
-                               checksum=payload_checksum(record.payload))
+                               checksum=record.payload_sum())
         await self.delete(record.key)
         self._index[record.key] = _Resident(header, record.header.kind, tuple(ids), len(record.payload), True)
         t = self._tally.setdefault(record.header.kind, [0, 0, 0])
@@ -628,7 +628,7 @@ class PinnedHostTier(Tier):
         if payload_checksum(payload) != checksum:
             await self.delete(key)
             return None
-        return Record(header, payload)
+        return Record(header, payload, checksum)
 
     async def delete(self, key: RecordKey) -> bool:
         entry = self._index.pop(key, None)

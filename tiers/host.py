@@ -63,7 +63,7 @@ class HostTier(Tier):
             return False
         self._pools.write(alloc, record.payload)
         header = encode_header(record.header, stored_length=len(record.payload), flags=0,
-                               checksum=payload_checksum(record.payload))
+                               checksum=record.payload_sum())
         self._drop(record.key)
         self._index[record.key] = _Resident(header, alloc)
         return True
@@ -77,7 +77,7 @@ class HostTier(Tier):
         if payload_checksum(payload) != checksum:
             self._drop(key)  # RAM corruption: never served, reported as a miss
             return None
-        return Record(header, payload)
+        return Record(header, payload, checksum)
 
     async def delete(self, key: RecordKey) -> bool:
         return self._drop(key)

@@ -124,10 +124,17 @@ class RecordHeader:
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """A header and its raw (uncompressed) payload."""
+    """A header and its raw (uncompressed) payload.
+
+    `checksum` is the payload's xxh3-64 when whoever built the record has just computed or
+    verified it (the tiers' reads, the wire's reassembly), else None. It saves hashing the same
+    bytes again at the next hop (a host-tier put, a wire frame); it is never trusted in place
+    of a verification: a tier stores it as the checksum that every later read verifies.
+    """
 
     header: RecordHeader
     payload: bytes
+    checksum: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.payload) != self.header.raw_length:
@@ -143,6 +150,10 @@ class Record:
     def nbytes(self) -> int:
         """Bytes of this record encoded without compression."""
         return HEADER_SIZE + len(self.payload)
+
+    def payload_sum(self) -> int:
+        """The payload's xxh3-64: the carried `checksum`, or computed now."""
+        return self.checksum if self.checksum is not None else xxhash.xxh3_64_intdigest(self.payload)
 
 
 def _check_len(name: str, value: bytes, expected: int) -> None:
@@ -258,6 +269,7 @@ assert tuple(RecordHeader.__dataclass_fields__) == (
     "entry_count", "raw_length", "created_at_ns", "stored_length", "flags"), "update decode_header's field order"
 _RECORD_HEADER_SET = Record.header.__set__  # type: ignore[attr-defined]
 _RECORD_PAYLOAD_SET = Record.payload.__set__  # type: ignore[attr-defined]
+_RECORD_CHECKSUM_SET = Record.checksum.__set__  # type: ignore[attr-defined]
 
 
 def decode_record(
@@ -299,4 +311,5 @@ def decode_record(
     record = _new(Record)  # len(payload) == header.raw_length: checked above
     _RECORD_HEADER_SET(record, header)
     _RECORD_PAYLOAD_SET(record, payload)
+    _RECORD_CHECKSUM_SET(record, None if header.flags & FLAG_ZSTD else checksum)  # stored == raw bytes
     return record

@@ -56,7 +56,6 @@ from tiers.record import (
     encode_header,
     encode_record,
     make_record_key,
-    payload_checksum,
 )
 
 if TYPE_CHECKING:
@@ -289,7 +288,7 @@ class RedisTier(Tier):
             return value[:HEADER_SIZE], value[HEADER_SIZE:]
         payload = record.payload
         return encode_header(record.header, stored_length=len(payload), flags=0,
-                             checksum=payload_checksum(payload)), payload
+                             checksum=record.payload_sum()), payload
 
     async def _encode_parts(self, record: Record) -> tuple[bytes, bytes]:
         if len(record.payload) >= OFFLOAD_BYTES:

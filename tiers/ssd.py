@@ -78,7 +78,6 @@ from tiers.record import (
     encode_header,
     encode_record,
     make_record,
-    payload_checksum,
 )
 
 if TYPE_CHECKING:
@@ -731,7 +730,7 @@ class SSDTier(Tier):
         if encoded is None:
             payload = record.payload
             head = encode_header(record.header, stored_length=len(payload), flags=0,
-                                 checksum=payload_checksum(payload))
+                                 checksum=record.payload_sum())
             chunks: tuple[bytes, ...] = (head, payload)
         else:
             head, chunks = encoded[:HEADER_SIZE], (encoded,)

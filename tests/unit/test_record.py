@@ -92,6 +92,10 @@ def test_round_trip_is_exact(fields: dict, payload: bytes, level: int | None) ->
         assert level is not None and decoded.header.stored_length < len(payload)
     else:
         assert decoded.header.stored_length == len(payload)
+    # the verified checksum travels with the record (None where the stored bytes were compressed)
+    assert decoded.payload_sum() == xxhash.xxh3_64_intdigest(payload)
+    assert (decoded.checksum is None) == bool(decoded.header.flags & FLAG_ZSTD)
+    assert decoded == Record(decoded.header, payload)  # the carried checksum is not part of equality
 
 
 def test_zstd_is_used_only_when_it_pays() -> None:
@@ -227,3 +231,19 @@ def test_payload_length_must_match_header() -> None:
     record = make(b"abc")
     with pytest.raises(RecordError, match="^payload is 2 bytes but the header says 3$"):
         Record(record.header, b"ab")
+
+
+def test_a_wrong_carried_checksum_is_caught_by_the_next_read() -> None:
+    """The carried checksum saves a hash, never a verification: a host tier that stores a record
+    whose carried checksum is wrong serves a miss on the next read, not the bytes."""
+    import asyncio
+
+    from tiers.host import HostTier
+
+    good = make(b"abc" * 100)
+    bad = Record(good.header, good.payload, checksum=good.payload_sum() ^ 1)
+    tier = HostTier(1 << 20)
+    assert asyncio.run(tier.put(bad)) and asyncio.run(tier.get(bad.key)) is None
+    assert asyncio.run(tier.put(good))
+    got = asyncio.run(tier.get(good.key))
+    assert got is not None and got.payload == good.payload and got.checksum == xxhash.xxh3_64_intdigest(good.payload)
