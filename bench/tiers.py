@@ -32,8 +32,9 @@ bookkeeping and verification cost beyond the thread hop (at qd 4 the tier's
 `vs_async` above 1 is the hops they save). The tier's spare pool starts at 32 and grows to
 its default limit of 256 in the first rounds (a round fills in place what the pool cannot,
 with a directory fsync each); from then on a round of up to 128 new keys takes half of it
-and its refill (creates and one directory fsync, in the background) starts as the round
-ends: the figures are those of bursts the pool absorbs. A stream longer than half the pool
+and its refill (creates and one directory fsync, in the background) waits until the puts
+pause (`tiers.ssd.REFILL_QUIET_S`), i.e. runs between rounds: the figures are those of
+bursts the pool absorbs. A stream longer than half the pool
 refills while it runs (`spare_files=64` against 128-key rounds of 256 KiB measured no
 slower on the development VM, and both 2.3-2.5x the tier without spares).
 
