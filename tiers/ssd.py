@@ -199,30 +199,50 @@ class _ScanGate:
 
     A scan rebuilds the index from the disk; a put finishing in the middle of it would be
     lost from the new index, and the scan would delete its temp file as a leftover.
+    `try_enter`/`leave` are the put's path: plain calls, no context-manager objects, while
+    no scan runs (an asynccontextmanager costs a generator and two awaitables per use).
     """
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
         self._active = 0
         self._scanning = False
+        self._notifier: asyncio.Task[None] | None = None
         self.mutations = 0  # mutations begun: tells whether the index is still what a scan built
 
-    @contextlib.asynccontextmanager
-    async def mutation(self, *, changes_index: bool = True) -> AsyncIterator[None]:
-        """`changes_index=False`: excludes a scan but leaves the index as a scan built it
-        (a spare refill)."""
+    def try_enter(self, changes_index: bool = True) -> bool:
+        """Enter at once if no scan runs (else False: `await enter()`)."""
+        if self._scanning:
+            return False
+        self.mutations += changes_index
+        self._active += 1
+        return True
+
+    async def enter(self, changes_index: bool = True) -> None:
         if self._scanning:
             async with self._cond:
                 await self._cond.wait_for(lambda: not self._scanning)
         self.mutations += changes_index
         self._active += 1
+
+    def leave(self) -> None:
+        self._active -= 1
+        if self._scanning and not self._active:  # the scan waiting for the last mutation
+            self._notifier = asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def mutation(self, *, changes_index: bool = True) -> AsyncIterator[None]:
+        """`changes_index=False`: excludes a scan but leaves the index as a scan built it
+        (a spare refill)."""
+        await self.enter(changes_index)
         try:
             yield
         finally:
-            self._active -= 1
-            if self._scanning and not self._active:
-                async with self._cond:
-                    self._cond.notify_all()
+            self.leave()
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -239,22 +259,55 @@ class _ScanGate:
 
 
 class _KeyLocks:
-    """One asyncio.Lock per key while someone holds or waits for it (then forgotten)."""
+    """Per-key mutual exclusion, FIFO; a key is in the table only while held.
+
+    `try_acquire`/`release` are the put's path: an uncontended key costs one dict insert
+    and one delete (no Lock object, no context manager); waiters queue as futures and the
+    releasing holder hands the key to the first of them.
+    """
 
     def __init__(self) -> None:
-        self._locks: dict[bytes, list] = {}  # key -> [lock, number of holders and waiters]
+        self._held: dict[bytes, collections.deque[asyncio.Future[None]] | None] = {}  # key -> waiters
+
+    def try_acquire(self, key: bytes) -> bool:
+        if key in self._held:
+            return False
+        self._held[key] = None
+        return True
+
+    async def acquire(self, key: bytes) -> None:
+        if self.try_acquire(key):
+            return
+        waiters = self._held[key]
+        if waiters is None:
+            waiters = self._held[key] = collections.deque()
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed the key just as it was cancelled
+                self.release(key)
+            else:
+                waiters.remove(fut)
+            raise
+
+    def release(self, key: bytes) -> None:
+        waiters = self._held[key]
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the key passes to this waiter, still held
+                return
+        del self._held[key]
 
     @contextlib.asynccontextmanager
     async def hold(self, key: bytes) -> AsyncIterator[None]:
-        slot = self._locks.setdefault(key, [asyncio.Lock(), 0])
-        slot[1] += 1
+        await self.acquire(key)
         try:
-            async with slot[0]:
-                yield
+            yield
         finally:
-            slot[1] -= 1
-            if not slot[1]:
-                del self._locks[key]
+            self.release(key)
 
 
 @dataclass(slots=True)
@@ -732,31 +785,43 @@ class SSDTier(Tier):
 
     async def put(self, record: Record) -> bool:
         self._check_open()
-        key = record.key
-        with self._putting():
-            return await self._put(key, record)
-
-    async def _put(self, key: RecordKey, record: Record) -> bool:
-        async with self._gate.mutation(), self._locks.hold(key):
-            level = self._zstd_kinds.get(record.header.kind)
-            encoded = None if level is None else await self._run(
-                functools.partial(encode_record, record, zstd_level=level))
-            file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
-            need = self._footprint_of(file_bytes)
-            if not self._try_reserve(need, self._index.get(key)):
-                logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
-                return False
-            new_key = key not in self._index
-            spare = self._claim_spare() if new_key else None
+        key, gate, locks = record.key, self._gate, self._locks
+        self._puts_in_flight += 1
+        if not gate.try_enter():
+            await gate.enter()
+        try:
+            if not locks.try_acquire(key):
+                await locks.acquire(key)
             try:
-                header = await self._run(self._write_record, record, encoded, new_key, spare)
-            except OSError as exc:
-                self._log_write_failure(key, exc)
-                return False
+                return await self._put_locked(key, record)
             finally:
-                self._release(need)
-            self._index_add(key, _Entry(header, file_bytes))
-            return True
+                locks.release(key)
+        finally:
+            gate.leave()
+            self._puts_in_flight -= 1
+            self._last_put_s = asyncio.get_running_loop().time()
+
+    async def _put_locked(self, key: RecordKey, record: Record) -> bool:
+        """put's body, the key held and the gate entered."""
+        level = self._zstd_kinds.get(record.header.kind)
+        encoded = None if level is None else await self._run(
+            functools.partial(encode_record, record, zstd_level=level))
+        file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
+        need = self._footprint_of(file_bytes)
+        if not self._try_reserve(need, self._index.get(key)):
+            logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
+            return False
+        new_key = key not in self._index
+        spare = self._claim_spare() if new_key else None
+        try:
+            header = await self._run(self._write_record, record, encoded, new_key, spare)
+        except OSError as exc:
+            self._log_write_failure(key, exc)
+            return False
+        finally:
+            self._release(need)
+        self._index_add(key, _Entry(header, file_bytes))
+        return True
 
     def _next_tmp(self, final: str) -> str:
         return f"{final}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}"

@@ -20,7 +20,7 @@ import pytest
 from tests.proc import freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, make_record
-from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
+from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier, _KeyLocks
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
 
@@ -387,6 +387,54 @@ async def test_scan_waits_for_puts_in_flight(tier: SSDTier) -> None:
     assert await puts == [True] * 6
     assert result.discarded == []  # no in-flight temp file was mistaken for a leftover
     assert await tier.contains([r.key for r in records]) == [True] * 6
+
+
+async def test_key_locks_hand_over_in_order_and_survive_a_cancelled_waiter() -> None:
+    """The per-key locks the put path takes without a Lock object: FIFO hand-over, a
+    cancelled waiter drops out, and the table forgets a key once nobody holds it."""
+    locks, order = _KeyLocks(), []
+    assert locks.try_acquire(b"k") and not locks.try_acquire(b"k")
+
+    async def take(name: str) -> None:
+        async with locks.hold(b"k"):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    first, gone, last = (asyncio.create_task(take(n)) for n in ("first", "gone", "last"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    locks.release(b"k")
+    await asyncio.gather(first, last)
+    assert order == ["first", "last"] and gone.cancelled()
+    assert locks.try_acquire(b"k")  # forgotten, then free again
+    locks.release(b"k")
+    assert locks._held == {}
+
+
+async def test_spare_refill_waits_for_the_puts_to_pause(tmp_path: Path) -> None:
+    """Below half the pool a refill is due, but it runs once puts pause (its creates and
+    directory fsync would otherwise slow the puts' fdatasyncs); at a quarter it runs at once."""
+    tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=32))
+    try:
+        assert tier.spare_files == 32
+        # 32 -> 12: below half (refill due), above a quarter (not urgent).
+        assert await tier.put_many([rec(i, 100) for i in range(20)]) == [True] * 20
+        assert tier._spares.refilling and tier.spare_files == 12
+        tier._puts_in_flight = 1  # as if another put were running: the refill keeps waiting
+        await asyncio.sleep(0.05)
+        assert tier._spares.refilling and tier.spare_files == 12
+        tier._puts_in_flight = 0
+        await refilled(tier)
+        assert tier.spare_files == 32
+        tier._spares.ready.clear()  # a burst that emptied it: urgent, no wait
+        tier._puts_in_flight = 1  # as if a put were still running
+        tier._start_refill()
+        await refilled(tier)
+        assert tier.spare_files == 32
+        tier._puts_in_flight = 0
+    finally:
+        await tier.aclose()
 
 
 async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
