@@ -10,12 +10,14 @@ atomic on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from tiers.base import ScanResult, Tier, TierUsage
-from tiers.pools import DEFAULT_PAGE_BYTES, Allocation, PerKindPools, PoolSet, SinglePagePool
-from tiers.record import Record, RecordKey, decode_header, encode_header, payload_checksum
+from tiers.pools import DEFAULT_PAGE_BYTES, Allocation, PerKindPools, PoolSet, SinglePagePool, Slice
+from tiers.record import Record, RecordHeader, RecordKey, decode_header, encode_header, payload_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,39 @@ class HostTier(Tier):
             self._drop(key)  # RAM corruption: never served, reported as a miss
             return None
         return Record(header, payload, checksum)
+
+    def read_slices(self, key: RecordKey, layout: Callable[[bytes, int], Sequence[Slice]]
+                    ) -> tuple[RecordHeader, list[bytes], int] | None:
+        """The record as the caller lays it out: `layout(encoded header, payload length)` gives
+        (prefix, start, stop) slices, and each comes back as one bytes object, the prefix then
+        those payload bytes copied once from the pages (a reader that frames records for a wire
+        saves the copy of `get` plus its own). Verified as `get` verifies: the slices must cover
+        the payload once, in order, and its checksum must match, else a corrupt record is dropped
+        and, like a miss, None. Returns (header, slices, payload checksum)."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        header, checksum = decode_header(entry.header)
+        slices = layout(entry.header, entry.alloc.payload_len)
+        covered = 0
+        for _, start, stop in slices:
+            if start != covered or stop < start:
+                raise ValueError(f"slices must cover the payload in order: {start}..{stop} after {covered}")
+            covered = stop
+        if covered != entry.alloc.payload_len:
+            raise ValueError(f"slices cover {covered} of {entry.alloc.payload_len} payload bytes")
+        out = self._pools.read_slices(entry.alloc, slices)
+        if len(out) == 1:
+            digest = payload_checksum(memoryview(out[0])[len(slices[0][0]):])
+        else:
+            state = xxhash.xxh3_64()
+            for piece, (prefix, _, _) in zip(out, slices):
+                state.update(memoryview(piece)[len(prefix):])
+            digest = state.intdigest()
+        if digest != checksum:
+            self._drop(key)  # RAM corruption: never served, reported as a miss
+            return None
+        return header, out, checksum
 
     async def delete(self, key: RecordKey) -> bool:
         return self._drop(key)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 import mmap
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiers.base import KindUsage
@@ -48,6 +48,8 @@ DEFAULT_SLAB_BYTES = 64 << 20
 MIN_SLABS_PER_BUDGET = 16  # a slab is at most budget / 16, so every kind can get memory
 INDEX_ENTRY_BASE_BYTES = RECORD_KEY_BYTES + 16  # key, payload length, checksum slot
 INDEX_BYTES_PER_PAGE = 4  # page ids as u32
+
+Slice = tuple[bytes, int, int]  # (prefix, start, stop): prefix + bytes start..stop of a record's payload
 
 
 def record_overhead_bytes(num_pages: int) -> int:
@@ -304,6 +306,27 @@ class PagePool:
             for view in parts:  # an exported view would keep its slab from closing
                 view.release()
 
+    def read_slices(self, page_ids: Iterable[int], length: int, slices: Sequence[Slice]) -> list[bytes]:
+        """For each (prefix, start, stop): `prefix` then bytes start..stop of the record, in one
+        new bytes object, copied once from the slabs (a reader that frames the bytes its own
+        way, e.g. for a wire, saves the copy it would make of a plain `read`)."""
+        runs = self._runs(page_ids, length)
+        out: list[bytes] = []
+        for prefix, start, stop in slices:
+            if not 0 <= start <= stop <= length:
+                raise ValueError(f"slice {start}..{stop} outside a record of {length} B")
+            parts: list[bytes | memoryview] = [prefix]
+            for buf, at, nbytes, at_record in runs:
+                lo, hi = max(start, at_record), min(stop, at_record + nbytes)
+                if lo < hi:
+                    parts.append(memoryview(buf)[at + lo - at_record:at + hi - at_record])
+            try:
+                out.append(b"".join(parts))
+            finally:
+                for view in parts[1:]:
+                    view.release()  # type: ignore[union-attr]
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -403,6 +426,10 @@ class PoolSet:
 
     def read(self, alloc: Allocation) -> bytes:
         return self.pool_for(alloc.kind).read(alloc.page_ids, alloc.payload_len)
+
+    def read_slices(self, alloc: Allocation, slices: Sequence[Slice]) -> list[bytes]:
+        """`PagePool.read_slices` of the allocation's record."""
+        return self.pool_for(alloc.kind).read_slices(alloc.page_ids, alloc.payload_len, slices)
 
     # ----- accounting -----------------------------------------------------------------------
 

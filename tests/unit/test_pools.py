@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiers.host import HostTier
 from tiers.pools import (
@@ -266,3 +271,68 @@ async def test_host_tier_corrupted_page_is_a_miss() -> None:
     tier.pools.pool_for(KV).write(alloc.page_ids, b"\xff" * 1000)  # flip the bytes under it
     assert await tier.get(r.key) is None
     assert tier.usage().num_records == 0 and tier.pools.held_bytes == 0
+
+
+# ----- reads straight into a caller's layout (GetRecords frames) --------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_read_slices_are_prefixed_slices_of_the_record_over_any_pages(data: st.DataObject) -> None:
+    """Each slice is its prefix then exactly those record bytes, whichever slabs and runs of
+    pages they cross (fragmented allocations included)."""
+    pool = PagePool(64, ByteBudget(1 << 20), slab_bytes=64 * 8)
+    pool.allocate(data.draw(st.integers(0, 12)))
+    hole = pool.allocate(data.draw(st.integers(0, 5)))
+    pool.allocate(3)
+    pool.free(hole)  # the record's first pages may come from this hole, the rest from elsewhere
+    length = data.draw(st.integers(0, 1500))
+    ids = pool.allocate(pool.num_pages_for(length))
+    payload = os.urandom(length)
+    pool.write(ids, payload)
+    cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=5)))
+    bounds = [0, *cuts, length]
+    slices = [(data.draw(st.binary(max_size=6)), a, b) for a, b in zip(bounds, bounds[1:])]
+    out = pool.read_slices(ids, length, slices)
+    assert out == [prefix + payload[a:b] for prefix, a, b in slices]
+    assert all(type(piece) is bytes for piece in out)
+
+
+def test_read_slices_refuse_bytes_outside_the_record() -> None:
+    pool = PagePool(64, ByteBudget(1 << 20), slab_bytes=512)
+    ids = pool.allocate(2)
+    with pytest.raises(ValueError, match="outside a record"):
+        pool.read_slices(ids, 100, [(b"", 50, 101)])
+
+
+def halves(header: bytes, n: int) -> list[tuple[bytes, int, int]]:
+    return [(b"<" + header[:2], 0, n // 2), (b">", n // 2, n)]
+
+
+async def test_host_tier_reads_a_record_into_a_callers_slices_verified() -> None:
+    tier = HostTier(1 << 20, {KV: 1024}, slab_bytes=4096)
+    r = make_record(KV, 0, os.urandom(3000), model_fingerprint=b"f" * 16, tenant_id=b"t" * 16,
+                    block_key=b"k" * 32)
+    await tier.put(r)
+    got = tier.read_slices(r.key, halves)
+    assert got is not None
+    header, pieces, checksum = got
+    assert replace(header, stored_length=0) == r.header and checksum == r.payload_sum()
+    assert pieces == [b"<SS" + r.payload[:1500], b">" + r.payload[1500:]]  # the header starts with its magic
+    assert tier.read_slices(make_rec(KV, 10, 9).key, halves) is None  # not held: a miss
+    with pytest.raises(ValueError, match="cover"):  # a layout must cover the payload, once, in order
+        tier.read_slices(r.key, lambda h, n: [(b"", 0, n - 1)])
+    with pytest.raises(ValueError, match="in order"):
+        tier.read_slices(r.key, lambda h, n: [(b"", 0, 10), (b"", 5, n)])
+    assert tier.usage().num_records == 1  # a refused layout changes nothing
+
+
+@pytest.mark.parametrize("layout", [lambda h, n: [(b"x", 0, n)], halves])
+async def test_host_tier_corrupted_page_is_a_miss_for_slices_too(layout) -> None:  # type: ignore[no-untyped-def]
+    tier = HostTier(1 << 20, {KV: 1024}, slab_bytes=4096)
+    r = make_rec(KV, 1000, 1)
+    await tier.put(r)
+    alloc = tier._index[r.key].alloc
+    tier.pools.pool_for(KV).write(alloc.page_ids, r.payload[:999] + b"\xfe")  # one byte flipped
+    assert tier.read_slices(r.key, layout) is None
+    assert tier.usage().num_records == 0 and tier.pools.held_bytes == 0  # dropped, never served
