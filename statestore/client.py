@@ -338,7 +338,11 @@ class StateStoreClient:
         return [PutInfo(bytes(r.key), Durability(r.durability), tuple(r.tiers), r.evicted) for r in reply.results]
 
     async def get_records(self, keys: Sequence[bytes], *, chunk_bytes: int = 0) -> list[Record | None]:
-        """The records (None for a miss), each reassembled and verified by its checksums."""
+        """The records (None for a miss), each reassembled and verified by its checksums.
+
+        A record that arrived in one message (payload up to `chunk_bytes`) has as its payload a
+        read-only memoryview into that message, not a copy: use it as bytes (compare, slice,
+        `np.frombuffer`), or `bytes(record.payload)` where a bytes object is needed."""
         call = self._get(statestore_pb2.GetRecordsRequest(keys=list(keys), chunk_bytes=chunk_bytes),
                          metadata=self._metadata, timeout=self.options.timeout_s)
         out: list[Record | None] = []
@@ -353,7 +357,7 @@ class StateStoreClient:
                 chunk = common_pb2.RecordChunk.FromString(frame)
                 if chunk.WhichOneof("part") == "start":
                     if pending is not None:
-                        out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0]))
+                        out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0], keep_view=True))
                     pending, parts = None, []
                     if chunk.start.found:
                         pending = (bytes(chunk.start.key), chunk.start.total_bytes)
@@ -364,7 +368,7 @@ class StateStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
         if pending is not None:
-            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0]))
+            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0], keep_view=True))
         return out
 
     # ----- opaque payloads from and into the caller's buffers (statestore/payloads.py) ------------

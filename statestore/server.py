@@ -53,7 +53,7 @@ from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.shm import (ATTACHED, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable, ShmWindow, slot_views,
                             write_slot)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
-from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
+from statestore.wire import encoded_size, frame_slices, join_parts_off_loop, record_frames, split_data_frame
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
 from tiers.record import (
     HEADER_SIZE,
@@ -566,8 +566,21 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             slots, shm_buf = ShmSlots(window), self._owner.shm.buffer(window)
         sent_bytes = 0
         try:
+            layout = frame_slices(chunk) if slots is None else None
             for key in keys:
-                record = await self._store.get(key, expect_tenant=tid)
+                if layout is not None:  # a host-tier hit comes as its frames, copied once from the pages
+                    got = await self._store.get_slices(key, layout, expect_tenant=tid)
+                    if isinstance(got, tuple):
+                        header, frames = got
+                        total = HEADER_SIZE + header.raw_length
+                        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
+                        for frame in frames:
+                            yield frame  # a serialized RecordChunk{data}: see `serialize_chunk`
+                        sent_bytes += total
+                        continue
+                    record = got
+                else:
+                    record = await self._store.get(key, expect_tenant=tid)
                 if record is None:
                     yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
                     continue

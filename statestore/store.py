@@ -62,7 +62,7 @@ from statestore.types import (
     TierStats,
 )
 from tiers.base import Tier, TierUsage
-from tiers.pools import page_bytes_for
+from tiers.pools import Slice, page_bytes_for
 from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
 
 logger = logging.getLogger(__name__)
@@ -557,18 +557,48 @@ class TieredStore:
         self._count_lookup(searched, _kind_of(key), hit=False)
         return None
 
+    async def get_slices(self, key: RecordKey, layout: Callable[[bytes, int], Sequence[Slice]], *,
+                         expect_fingerprint: bytes | None = None, expect_tenant: bytes | None = None
+                         ) -> Record | tuple[RecordHeader, list[bytes]] | None:
+        """`get` for a reader that frames the payload itself (GetRecords): a hit in the host tier
+        comes back as (header, slices), the payload copied once from its pages into `layout`'s
+        slices (`HostTier.read_slices`, verified as `get` verifies) instead of into a Record that
+        the reader copies again. Any other case (the record elsewhere, or a tier faster than the
+        host present, which a hit may have to be promoted into) is `get`."""
+        order = self._search_order(self._index.get(key))
+        host = self._tiers.get(TierName.HOST)
+        if not order or order[0] is not TierName.HOST or TierName.HBM in self._tiers \
+                or not hasattr(host, "read_slices"):
+            return await self.get(key, expect_fingerprint=expect_fingerprint, expect_tenant=expect_tenant)
+        got = host.read_slices(key, layout)  # type: ignore[union-attr]  # the host tier's own API
+        if got is None:
+            self._note_missing(key, TierName.HOST)
+            return await self.get(key, expect_fingerprint=expect_fingerprint, expect_tenant=expect_tenant)
+        header, slices, _ = got
+        if not self._belongs_header(header, key, expect_fingerprint, expect_tenant):
+            self._count_lookup([TierName.HOST], _kind_of(key), hit=False)
+            return None
+        self._count_lookup([TierName.HOST], _kind_of(key))
+        meta = self._index.get(key)
+        if meta is not None:
+            await self._touch(meta, TierName.HOST, None)
+        return header, slices
+
     def _search_order(self, meta: StateMeta | None) -> list[TierName]:
         held = meta.tiers if meta is not None else frozenset()
         return [n for n in TIER_ORDER if n in self._tiers and (n in SHARED_TIERS or n in held)]
 
     @staticmethod
     def _belongs(record: Record, fingerprint: bytes | None, tenant: bytes | None) -> bool:
-        h = record.header
+        return TieredStore._belongs_header(record.header, record.key, fingerprint, tenant)
+
+    @staticmethod
+    def _belongs_header(h: RecordHeader, key: RecordKey, fingerprint: bytes | None, tenant: bytes | None) -> bool:
         if fingerprint is not None and h.model_fingerprint != fingerprint:
-            logger.info("record %s belongs to another model fingerprint; not served", record.key.hex())
+            logger.info("record %s belongs to another model fingerprint; not served", key.hex())
             return False
         if tenant is not None and h.tenant_id != tenant:
-            logger.info("record %s belongs to another tenant; not served", record.key.hex())
+            logger.info("record %s belongs to another tenant; not served", key.hex())
             return False
         return True
 
@@ -589,14 +619,17 @@ class TieredStore:
             self._drop_copy(key, name, "missing")
 
     async def _after_hit(self, record: Record, source: TierName) -> None:
-        key = record.key
-        meta = self._index.get(key) or self._adopt(record, source)
+        await self._touch(self._index.get(record.key) or self._adopt(record, source), source, record)
+
+    async def _touch(self, meta: StateMeta, source: TierName, record: Record | None) -> None:
+        """A hit's bookkeeping, and its promotion when `record` is given (None: no faster tier)."""
+        key = meta.key
         meta = replace(meta, last_access=self._clock(), access_count=meta.access_count + 1)
         costs = self._costs()  # nothing moves before the promotion decision: one snapshot serves both
         self._set_meta(meta, costs)
         self._invoker.on_access(meta, source)
         targets = self._invoker.decide_promote(meta, source, costs) - meta.tiers
-        if not targets or not self._gate.claim(key):
+        if record is None or not targets or not self._gate.claim(key):
             return
         op = _Op()
         try:

@@ -6,6 +6,10 @@ the front of the first chunk, so neither side ever builds the concatenated recor
 sender slices the payload it has, the receiver joins the payload pieces once and verifies the
 header and payload checksums. Chunks split any other way (a foreign client) fall back to
 `decode_record` on the joined bytes: same checks, same error messages, one copy more.
+On GetRecords the frames of a record in the host tier are filled straight from its pages
+(`frame_slices` gives the layout, `HostTier.read_slices` copies and verifies): one copy from
+RAM to the wire, the tier knowing nothing of frames; and a client keeps a record that came in
+one frame as a view into that frame (`join_parts(keep_view=True)`), with no copy at all.
 Messages, not bytes, dominate the cost of small records, so the header never travels alone
 nor costs a message: a chunk carries up to `chunk_bytes` of payload, the first one the header
 besides, and a record takes as many messages as its payload alone would.
@@ -21,7 +25,7 @@ server.py/client.py, which import them; this module imports no generated code.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Union
 
 from tiers.record import HEADER_SIZE, Record, RecordError, decode_header, decode_record, encode_header, payload_checksum
@@ -83,15 +87,41 @@ def record_frames(record: Record, chunk_bytes: int) -> Iterator[bytes]:
         yield data_frame(view[offset:offset + chunk_bytes])
 
 
-def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None) -> Record:
-    """Reassemble and verify a record from its chunks; RecordError says what is wrong."""
+def frame_slices(chunk_bytes: int) -> Callable[[bytes, int], list[tuple[bytes, int, int]]]:
+    """The layout of `record_frames` as (prefix, start, stop) slices of the payload, for a
+    tier that copies a record's payload straight into its frames (`HostTier.read_slices`):
+    each frame is its prefix (tag, length, and in the first the encoded header) followed by
+    payload bytes start..stop."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes {chunk_bytes} must be positive")
+
+    def layout(header: bytes, payload_len: int) -> list[tuple[bytes, int, int]]:
+        first = min(chunk_bytes, payload_len)
+        out = [(b"".join((bytes((_DATA_TAG,)), _varint(len(header) + first), header)), 0, first)]
+        for offset in range(chunk_bytes, payload_len, chunk_bytes):
+            stop = min(payload_len, offset + chunk_bytes)
+            out.append((bytes((_DATA_TAG,)) + _varint(stop - offset), offset, stop))
+        return out
+
+    return layout
+
+
+def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None, keep_view: bool = False) -> Record:
+    """Reassemble and verify a record from its chunks; RecordError says what is wrong.
+
+    `keep_view`: a record that arrived in one chunk keeps its payload as a read-only view into
+    that chunk (no copy; the view holds the chunk's few header bytes alive with it). For a
+    reader that hands the record to its caller; a server storing records keeps bytes."""
     if not parts or len(parts[0]) < HEADER_SIZE:
         return decode_record(b"".join(parts), expect_key=expect_key)
     first = memoryview(parts[0])
     header, checksum = decode_header(first[:HEADER_SIZE])
     if header.flags:  # compressed: let decode_record handle it
         return decode_record(b"".join(parts), expect_key=expect_key)
-    payload = b"".join((first[HEADER_SIZE:], *parts[1:]))  # the one copy
+    if keep_view and len(parts) == 1 and first.readonly:
+        payload: Buffer = first[HEADER_SIZE:]
+    else:
+        payload = b"".join((first[HEADER_SIZE:], *parts[1:]))  # the one copy
     if len(payload) < header.stored_length:
         raise RecordError(f"truncated payload: {len(payload)} of {header.stored_length} bytes")
     if len(payload) > header.stored_length:
@@ -100,11 +130,12 @@ def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None) -> R
         raise RecordError("payload checksum mismatch: the payload is corrupt")
     if expect_key is not None and header.key != expect_key:
         raise RecordError("record key does not match the key it was stored under")
-    return Record(header, payload, checksum)
+    return Record(header, payload, checksum)  # type: ignore[arg-type]  # a view only with keep_view
 
 
-async def join_parts_off_loop(parts: Sequence[Buffer], total_bytes: int, *, expect_key: bytes | None = None) -> Record:
+async def join_parts_off_loop(parts: Sequence[Buffer], total_bytes: int, *, expect_key: bytes | None = None,
+                              keep_view: bool = False) -> Record:
     """`join_parts`, in a worker thread when the record is large enough to stall the event loop."""
     if total_bytes >= OFFLOAD_BYTES:
-        return await asyncio.to_thread(join_parts, parts, expect_key=expect_key)
-    return join_parts(parts, expect_key=expect_key)
+        return await asyncio.to_thread(join_parts, parts, expect_key=expect_key, keep_view=keep_view)
+    return join_parts(parts, expect_key=expect_key, keep_view=keep_view)

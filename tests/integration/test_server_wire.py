@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.statestore.v1 import common_pb2
-from statestore.wire import data_frame, encoded_size, join_parts, record_frames, split_data_frame
+from statestore.wire import data_frame, encoded_size, frame_slices, join_parts, record_frames, split_data_frame
 from tiers.record import HEADER_SIZE, RecordError, encode_record, make_record
 
 
@@ -94,3 +94,29 @@ def test_corruption_and_mismatch_get_decode_records_messages(split: bool) -> Non
         join_parts([good[:HEADER_SIZE + 5], good[HEADER_SIZE + 5:-1]])
     with pytest.raises(RecordError, match="trailing bytes"):
         join_parts([good[:HEADER_SIZE + 5], good[HEADER_SIZE + 5:] + b"x"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(nbytes=st.integers(0, 5000), chunk=st.integers(1, 2048))
+def test_frame_slices_lay_out_exactly_the_frames_of_record_frames(nbytes: int, chunk: int) -> None:
+    """A tier filling `frame_slices` from its pages sends the very bytes `record_frames` builds."""
+    r = record(nbytes)
+    header = encode_record(r)[:HEADER_SIZE]
+    slices = frame_slices(chunk)(header, nbytes)
+    assert [prefix + r.payload[a:b] for prefix, a, b in slices] == list(record_frames(r, chunk))
+    with pytest.raises(ValueError, match="must be positive"):
+        frame_slices(0)
+
+
+def test_a_one_frame_record_keeps_its_payload_as_a_view_and_is_still_verified() -> None:
+    r = record(3000)
+    (frame,) = record_frames(r, 4096)
+    got = join_parts([split_data_frame(frame)], expect_key=r.key, keep_view=True)  # type: ignore[list-item]
+    assert isinstance(got.payload, memoryview) and got.payload.readonly and same(got, r)
+    assert type(join_parts([split_data_frame(frame)]).payload) is bytes  # type: ignore[list-item]  # default: a copy
+    bad = bytearray(frame)
+    bad[-1] ^= 1
+    with pytest.raises(RecordError, match="payload checksum mismatch"):
+        join_parts([split_data_frame(bytes(bad))], keep_view=True)  # type: ignore[list-item]
+    two = [split_data_frame(f) for f in record_frames(r, 1024)]  # several frames: joined, as before
+    assert type(join_parts(two, keep_view=True).payload) is bytes  # type: ignore[arg-type]

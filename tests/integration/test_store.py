@@ -408,3 +408,50 @@ async def test_mixed_kinds_under_pressure_keep_host_accounting_exact(stores: Cal
     assert await host.contains(sorted(held_keys)) == [True] * len(held_keys)
     assert host.usage().num_records == len(held_keys)
     assert sum(s.num_records for s in store.stats()[HOST].by_kind.values()) == len(held_keys)
+
+
+# ----- reads into a reader's own layout (GetRecords frames) ----------------------------------------
+
+def in_two(header: bytes, n: int) -> list[tuple[bytes, int, int]]:
+    return [(b"H", 0, n // 2), (b"T", n // 2, n)]
+
+
+async def test_get_slices_serves_host_hits_as_slices_and_anything_else_as_get_does(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    store = stores(host=host_tier(4), ssd=await open_ssd(tmp_path / "ssd"))
+    r, local, bobs = rec(1), rec(2), rec(3, tenant=BOB)
+    await store.put(r)
+    await store.put(local, Durability.LOCAL)
+    await store.put(bobs)
+    got = await store.get_slices(r.key, in_two, expect_tenant=ALICE)
+    assert isinstance(got, tuple)
+    header, pieces = got
+    assert header.block_key == r.header.block_key and pieces == [b"H" + r.payload[:PAGE // 2], b"T" + r.payload[PAGE // 2:]]
+    before = store.meta(r.key).access_count  # type: ignore[union-attr]
+    await store.get_slices(r.key, in_two)
+    assert store.meta(r.key).access_count == before + 1  # type: ignore[union-attr]  # a hit, as `get` counts it
+    assert store.stats()[HOST].by_kind[KV].hits == 2
+    assert await store.get_slices(bobs.key, in_two, expect_tenant=ALICE) is None  # another tenant's: a miss
+    assert await store.get_slices(rec(9).key, in_two) is None
+    # Only on SSD: the Record, promoted into the host as `get` does; the next read is slices again.
+    assert await store.evict(local.key, [HOST]) == {HOST}
+    from_ssd = await store.get_slices(local.key, in_two)
+    assert isinstance(from_ssd, Record) and from_ssd.payload == local.payload
+    assert isinstance(await store.get_slices(local.key, in_two), tuple)
+
+
+async def test_get_slices_never_serves_a_corrupt_host_copy(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    host = host_tier(4)
+    store = stores(host=host, ssd=await open_ssd(tmp_path / "ssd"))
+    r, only_ram = rec(1), rec(2)
+    await store.put(r, Durability.LOCAL)
+    await store.put(only_ram)
+    for key in (r.key, only_ram.key):  # flip a byte under each record in RAM
+        alloc = host._index[key].alloc
+        host.pools.pool_for(KV).write(alloc.page_ids, b"\x00" * (PAGE - 1) + b"\x01")
+    got = await store.get_slices(r.key, in_two)
+    assert isinstance(got, Record) and got.payload == r.payload  # the SSD copy, verified
+    assert await store.get_slices(only_ram.key, in_two) is None  # no good copy anywhere: a miss
+    assert store.meta(r.key).tiers == {HOST, SSD}  # type: ignore[union-attr]  # promoted again from the good copy
+    assert isinstance(await store.get_slices(r.key, in_two), tuple)
+    assert store.meta(only_ram.key) is None or HOST not in store.meta(only_ram.key).tiers  # type: ignore[union-attr]
