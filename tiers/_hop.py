@@ -6,6 +6,13 @@ On the 2-core development VM that bookkeeping was ~50 us of event-loop CPU per c
 tenth of a 256 KiB put. Here a job is a tuple on a `SimpleQueue`, and the thread that ran
 it resolves the asyncio future with one `call_soon_threadsafe`.
 
+What a hop still costs is mostly waking a thread that went idle: the development VM is a
+Firecracker guest with `haltpoll.guest_halt_poll_ns=0`, so an idle vCPU halts and every
+wake-up is a VM exit plus an IPI. A round trip of an empty job costs ~30 us, but around a
+300 us blocking call (the loop thread sleeps meanwhile) it costs ~90 us of latency and ~40 us
+of loop-thread CPU (thread_time); at queue depth 1 that is a quarter of a 256 KiB O_DIRECT
+read. Pinning or busy-polling would hide it; neither belongs in a library on shared cores.
+
 The threads live as long as the tier (their aligned I/O buffers, `tiers._fs`, are mapped
 once). They are daemon threads: at interpreter exit a job still queued is dropped like a
 crash drops it, which the tier's protocols allow for (nothing queued was acknowledged).
