@@ -289,7 +289,8 @@ class _KeyLocks:
             if fut.done() and not fut.cancelled():  # handed the key just as it was cancelled
                 self.release(key)
             else:
-                waiters.remove(fut)
+                with contextlib.suppress(ValueError):  # a release may have dropped it already
+                    waiters.remove(fut)
             raise
 
     def release(self, key: bytes) -> None:

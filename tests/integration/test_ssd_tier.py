@@ -410,6 +410,15 @@ async def test_key_locks_hand_over_in_order_and_survive_a_cancelled_waiter() -> 
     assert locks.try_acquire(b"k")  # forgotten, then free again
     locks.release(b"k")
     assert locks._held == {}
+    # A waiter cancelled after the holder released past it (its future skipped as done).
+    assert locks.try_acquire(b"k")
+    late = asyncio.create_task(locks.acquire(b"k"))
+    await asyncio.sleep(0)
+    late.cancel()
+    locks.release(b"k")  # pops the cancelled future, skips it, forgets the key
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    assert locks._held == {}
 
 
 async def test_spare_refill_waits_for_the_puts_to_pause(tmp_path: Path) -> None:
