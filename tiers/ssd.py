@@ -787,9 +787,9 @@ class SSDTier(Tier):
     async def put(self, record: Record) -> bool:
         self._check_open()
         key, gate, locks = record.key, self._gate, self._locks
-        self._puts_in_flight += 1
         if not gate.try_enter():
-            await gate.enter()
+            await gate.enter()  # a cancellation here leaves nothing entered or counted
+        self._puts_in_flight += 1
         try:
             if not locks.try_acquire(key):
                 await locks.acquire(key)
