@@ -26,8 +26,9 @@ before the spares, and still uses when its pool is empty (`tiers._fs.write_new`:
 place, fdatasync, directory fsync, the latter on a second thread from 1 MiB), so
 `vs_protocol` / `vs_dirsync` is what the spares save; `vs_async` compares the tier with the
 same work (protocol for puts, O_DIRECT read for gets) awaited through a thread pool per
-operation (`loop.run_in_executor`, as the tier does), so `vs_async` is what the tier's own
-bookkeeping and verification cost beyond the thread hop (at qd 4 the tier's
+operation (`loop.run_in_executor`; the tier's own hop, `tiers._hop`, is leaner), so
+`vs_async` is what the tier's own bookkeeping and verification cost beyond a thread hop,
+the hop being most of the gap at qd 1 on this VM (`tiers._hop` says why) (at qd 4 the tier's
 `put_many`/`get_many` take one hop per share of the batch, not per record: there
 `vs_async` above 1 is the hops they save). The tier's spare pool starts at 32 and grows to
 its default limit of 256 in the first rounds (a round fills in place what the pool cannot,
