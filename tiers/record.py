@@ -133,7 +133,7 @@ class Record:
     """
 
     header: RecordHeader
-    payload: bytes
+    payload: bytes | memoryview  # a read-only view only where a reader kept a received message's bytes
     checksum: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
