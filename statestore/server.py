@@ -531,7 +531,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         record; returned re-stamped with the caller's tenant, with the durability it asks for."""
         durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
         try:
-            record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key)
+            record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key, keep_view=True)
         except RecordError as exc:
             raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
         h = record.header
@@ -549,7 +549,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if existing is not None and existing.tenant_id != tid:
             raise _Denied(f"record {i}: key {record.key.hex()} belongs to another tenant")
         header = replace(h, tenant_id=tid, stored_length=0, flags=0)
-        return Record(header, record.payload), start, durability
+        return Record(header, record.payload, record.checksum), start, durability  # checksum: verified above
 
     @_streaming
     async def GetRecords(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:

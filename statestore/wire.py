@@ -110,8 +110,8 @@ def join_parts(parts: Sequence[Buffer], *, expect_key: bytes | None = None, keep
     """Reassemble and verify a record from its chunks; RecordError says what is wrong.
 
     `keep_view`: a record that arrived in one chunk keeps its payload as a read-only view into
-    that chunk (no copy; the view holds the chunk's few header bytes alive with it). For a
-    reader that hands the record to its caller; a server storing records keeps bytes."""
+    that chunk (no copy; the view holds the chunk's few header bytes alive with it): a reader
+    that hands the record on, or a server whose tiers copy the payload where it lives."""
     if not parts or len(parts[0]) < HEADER_SIZE:
         return decode_record(b"".join(parts), expect_key=expect_key)
     first = memoryview(parts[0])
