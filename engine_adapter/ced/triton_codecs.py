@@ -384,24 +384,9 @@ if triton is not None:
         _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
 
     @triton.jit
-    def _e2m1_magnitude_v4(t):
-        """E2M1 magnitude code (0..7) of t / 4 for finite or infinite t, NaN not handled (the
-        caller zeroes NaN blocks): `_e2m1_codes_v2`'s three roundings folded into one.
-
-        On the grid in quarters the step is 2 below 8, 4 below 16 and 8 above, so the code is
-        o + rint(|t| * s) with (s, o) = (1/2, 0), (1/4, 2), (1/8, 4), clamped at 7: one fma
-        against 2**23 + o, whose float bits minus those of 2**23 are that integer (ties to even,
-        as the table resolves them: 1 -> 0, 3 -> 2, 5 -> 2, 7 -> 4, 10 -> 4, 14 -> 6, 20 -> 6).
-        """
-        a = tl.abs(t)
-        s = tl.where(a < 8.0, 0.5, tl.where(a < 16.0, 0.25, 0.125))
-        m = tl.where(a < 8.0, 8388608.0, tl.where(a < 16.0, 8388610.0, 8388612.0))
-        return tl.minimum(tl.fma(a, s, m).to(tl.int32, bitcast=True) - 0x4B000000, 7)
-
-    @triton.jit
     def _e2m1_codes_v5(t):
         """E2M1 code of t / 4 (NaN not handled: the caller zeroes NaN blocks) with most work on
-        the FMA pipe, where v4's compares and selects loaded the integer/logic pipe that bounds
+        the FMA pipe: a select-based encoder (v4, removed) loaded the integer/logic pipe that bounds
         quantize (Nsight: ALU 82% busy).
 
         The code of a = |t| (quarters of the grid) is rint(min(a/2, 2 + a/4, 4 + a/8)) clamped at
@@ -419,50 +404,9 @@ if triton is not None:
         return (m.to(tl.int32, bitcast=True) & 7) | sign
 
     @triton.jit
-    def _quantize_v4_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
-                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
-        """One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
-        contiguous), a program takes ROWS * D / BS of them. The block max is a plain row
-        reduction and the scale math runs once per block; the [ROWS, NB, BS] reshape of v2/v3
-        made the compiler replicate the per-block scale math across a thread's values."""
-        NB: tl.constexpr = D // BS
-        NBLK: tl.constexpr = ROWS * NB
-        blk = tl.program_id(0).to(tl.int64) * NBLK + tl.arange(0, NBLK)
-        valid = (blk // NB) < n_rows  # (n_rows may arrive as a constant: triton specialises 1)
-        cols = tl.arange(0, BS)
-        x = tl.load(x_ptr + blk[:, None] * BS + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.abs(x), 1, _max_nan)  # [NBLK]
-        if E4M3:
-            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
-            v = tl.where(amax != amax, amax, v)
-            byte, scale = _e4m3_round(v)
-            q = scale * 0.25
-            r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, None]
-            t1 = x * r
-            t2 = tl.fma(tl.fma(t1, -q[:, None], x), r, t1)  # Markstein: see _div_rn_by_block
-            t = tl.where(tl.abs(t1) < 32.0, t2, t1)
-        else:
-            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
-            vb = v.to(tl.int32, bitcast=True)
-            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
-            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
-            recip = ((256 - byte) << 23).to(tl.float32, bitcast=True)  # as _div_pow2
-            recip = tl.where(byte == 1, 1.7014118346046923e38, recip)
-            pre = tl.where(byte == 1, 2.0, 1.0)
-            t = (x * pre[:, None]) * recip[:, None]
-        codes = _e2m1_magnitude_v4(t) | tl.where(t < 0.0, 8, 0)
-        lo, hi = tl.split(tl.reshape(codes, [NBLK, BS // 2, 2]))
-        # the blocks whose every t is NaN get code 0 here, once per byte: a NaN in the block (both
-        # formats) or an inf (E8M0: scale byte 255, which decodes to NaN)
-        nan_block = (amax != amax) if E4M3 else (byte == 255)
-        packed = tl.where(nan_block[:, None], 0, lo | (hi << 4)).to(tl.uint8)
-        tl.store(codes_ptr + blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :], packed, mask=valid[:, None])
-        tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
-
-    @triton.jit
     def _quantize_v5_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
                             D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
-        """v4 with `_e2m1_codes_v5`. One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
+        """One scale block per tile row: the input seen as [n_rows * D / BS, BS] (blocks are
         contiguous), a program takes ROWS * D / BS of them. The block max is a plain row
         reduction and the scale math runs once per block; the [ROWS, NB, BS] reshape of v2/v3
         made the compiler replicate the per-block scale math across a thread's values."""
@@ -501,9 +445,7 @@ if triton is not None:
         tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
 
 
-    # v4 and v5 change only the quantizer; their decoders are v3's
-    _dequantize_v4_kernel = _dequantize_v3_kernel
-    _gather_dequantize_v4_kernel = _gather_dequantize_v3_kernel
+    # v5 changes only the quantizer; its decoders are v3's
     _dequantize_v5_kernel = _dequantize_v3_kernel
     _gather_dequantize_v5_kernel = _gather_dequantize_v3_kernel
 
@@ -512,10 +454,10 @@ if triton is not None:
 
 
 # Kernel variant and launch shape per op: "v1" (4-D tiles), "v2" (2-D tiles, cheaper encode),
-# "v3" (v2 + one division per block for E4M3; decoders read each packed byte once), "v4" (quantize
-# over [blocks, BS] tiles), "v5" (v4 with the FMA-pipe encoder `_e2m1_codes_v5`; v3's decoders),
-# values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); every
-# variant gives the same bits (tests/gpu runs all of them, and v3-v5 against v2 exhaustively over
+# "v3" (v2 + one division per block for E4M3; decoders read each packed byte once), "v5" (quantize
+# over [blocks, BS] tiles with the FMA-pipe encoder `_e2m1_codes_v5`; v3's decoders), values per
+# program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); every variant gives
+# the same bits (tests/gpu runs all of them, and v3 and v5 against v2 exhaustively over
 # bf16 inputs). Defaults: near the sweep's winners on the H200, 2026-11-29
 # (bench/results/gpu_report-cuda.json): v5 quantize at 2,048 values / 2 warps (main 1.59 -> 1.22 ms,
 # index 1.22 -> 0.98 ms), v3 dequantize and gather at 2,048 / 2 (main dequantize 1.03 -> 0.85 ms).
@@ -523,7 +465,7 @@ _OPS = ("quantize", "dequantize", "gather_dequantize")
 _CONFIG = {"quantize": {"variant": "v5", "elems": 2048, "num_warps": 2},
            "dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2},
            "gather_dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2}}
-VARIANTS = ("v1", "v2", "v3", "v4", "v5")
+VARIANTS = ("v1", "v2", "v3", "v5")  # v4 (v5 with a select-based encoder) lost to v5 on every op
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,
