@@ -43,7 +43,7 @@ import torch
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
 from tiers.host import HostTier
 from tiers.pools import record_overhead_bytes
-from tiers.record import Record, RecordKey, decode_header, encode_header, payload_checksum
+from tiers.record import Record, RecordKey, decode_header, encode_header, payload_checksum, read_back
 
 DEFAULT_STAGING_BYTES = 16 << 20  # per staging buffer (two of them): big copies, short pipeline start
 DEFAULT_FILL_THREADS = 8
@@ -232,14 +232,13 @@ class HbmTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return None
-        header, checksum = decode_header(entry.header)
         if self._stream is not None:
             self._stream.synchronize()  # its load may still be in flight
         payload = bytes(self.payload_tensor(key).cpu().numpy().tobytes())
-        if entry.verified and payload_checksum(payload) != checksum:
+        record = read_back(entry.header, payload, verified=entry.verified)
+        if record is None:
             self._drop(key)  # device memory corruption: never served
-            return None
-        return Record(header, payload)
+        return record
 
     async def delete(self, key: RecordKey) -> bool:
         return self._drop(key)
@@ -621,14 +620,13 @@ class PinnedHostTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return await self.inner.get(key)
-        header, checksum = decode_header(entry.header)
         pool = self.pinned_pools[entry.kind]
         payload = b"" if pool.tensor is None else \
             pool.tensor[list(entry.slot_ids)].reshape(-1)[: entry.payload_len].numpy().tobytes()
-        if payload_checksum(payload) != checksum:
+        record = read_back(entry.header, payload)
+        if record is None:
             await self.delete(key)
-            return None
-        return Record(header, payload, checksum)
+        return record
 
     async def delete(self, key: RecordKey) -> bool:
         entry = self._index.pop(key, None)

@@ -17,7 +17,7 @@ import xxhash
 
 from tiers.base import ScanResult, Tier, TierUsage
 from tiers.pools import DEFAULT_PAGE_BYTES, Allocation, PerKindPools, PoolSet, SinglePagePool, Slice
-from tiers.record import Record, RecordHeader, RecordKey, decode_header, encode_header, payload_checksum
+from tiers.record import Record, RecordHeader, RecordKey, decode_header, encode_header, payload_checksum, read_back
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +74,10 @@ class HostTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return None
-        header, checksum = decode_header(entry.header)
-        payload = self._pools.read(entry.alloc)
-        if payload_checksum(payload) != checksum:
+        record = read_back(entry.header, self._pools.read(entry.alloc))
+        if record is None:
             self._drop(key)  # RAM corruption: never served, reported as a miss
-            return None
-        return Record(header, payload, checksum)
+        return record
 
     def read_slices(self, key: RecordKey, layout: Callable[[bytes, int], Sequence[Slice]]
                     ) -> tuple[RecordHeader, list[bytes], int] | None:

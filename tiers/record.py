@@ -201,6 +201,22 @@ def encode_record(record: Record, *, zstd_level: int | None = None) -> bytes:
                          checksum=payload_checksum(payload)) + payload
 
 
+def read_back(encoded_header: bytes, payload: bytes, *, verified: bool = True) -> Record | None:
+    """A record a memory tier held, rebuilt from its stored header and the payload read back.
+
+    None when the payload no longer matches the checksum the header stored (a bit flip in RAM
+    or device memory: the caller drops the copy, and the read is a miss, never served).
+    `verified=False`: the header holds no checksum of this payload, so nothing is checked and
+    none is carried.
+    """
+    header, checksum = decode_header(encoded_header)
+    if not verified:
+        return Record(header, payload)
+    if payload_checksum(payload) != checksum:
+        return None
+    return Record(header, payload, checksum)
+
+
 def encode_header(header: RecordHeader, *, stored_length: int, flags: int, checksum: int) -> bytes:
     h = header
     body = _HEADER.pack(
