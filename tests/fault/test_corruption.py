@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from statestore.client import StateStoreClient
-from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability, TierName
+from tests.service import start_mini_server
 from tiers.record import HEADER_SIZE, Record, make_record
 from tiers.ssd import SSDLayout
 
@@ -32,13 +32,6 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread
 
 SIZES = [8192] * 3 + [300 << 10] + [8192] * 5  # record 3 is read with O_DIRECT
 MESSAGES = [[(37 * i + 11 * s) % 256 for i in range(n)] for s, n in ((1, 150), (2, 37), (3, 101))]  # 288 tokens
-
-
-async def start(data_dir: Path) -> StateStoreServer:
-    server = StateStoreServer(ServiceConfig(listen="127.0.0.1:0", data_dir=data_dir, engine_preset="mini",
-                                            block_size=64, grace_s=0))
-    await server.start()
-    return server
 
 
 @pytest.fixture
@@ -107,7 +100,7 @@ async def resume_continues(c: StateStoreClient, expected: list[int], replayed_fr
 async def test_corrupt_files_are_quarantined_and_never_served(tmp_path: Path,
                                                              servers: list[StateStoreServer]) -> None:
     data_dir = tmp_path / "data"
-    server = await start(data_dir)
+    server = await start_mini_server(data_dir)
     servers.append(server)
     layout = SSDLayout(server.config.ssd_dir)
     records = [make(server, i) for i in range(len(SIZES))]
@@ -139,7 +132,7 @@ async def test_corrupt_files_are_quarantined_and_never_served(tmp_path: Path,
     truncate(paths[5], 1)
     flip(paths[6], 2)  # magic
     flip(tail, HEADER_SIZE + 3)  # the checkpoint's tail (its payload)
-    server = await start(data_dir)
+    server = await start_mini_server(data_dir)
     servers.append(server)
     discarded = server.open_report.discarded[TierName.SSD]
     assert len(discarded) == 2, discarded

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from statestore.client import ServiceError, StateStoreClient
-from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability, TierName
+from tests.service import start_mini_server
 from tiers.record import Record, decode_record, make_record
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
@@ -75,16 +75,9 @@ def small_ssd_dir(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(ssd)], check=False, capture_output=True)
 
 
-async def start_server(data_dir: Path) -> StateStoreServer:
-    server = StateStoreServer(ServiceConfig(listen="127.0.0.1:0", data_dir=data_dir, engine_preset="mini",
-                                            block_size=64, grace_s=0))
-    await server.start()
-    return server
-
-
 @pytest.fixture
 async def server(small_ssd_dir: Path) -> AsyncIterator[StateStoreServer]:
-    srv = await start_server(small_ssd_dir)
+    srv = await start_mini_server(small_ssd_dir)
     try:
         yield srv
     finally:
@@ -143,7 +136,7 @@ async def test_disk_full_refuses_local_puts_cleanly_and_keeps_serving(server: St
 
     # A restart's scan finds exactly the records, and discards nothing.
     await server.stop(0)
-    again = await start_server(server.config.data_dir)
+    again = await start_mini_server(server.config.data_dir)
     try:
         assert again.open_report.discarded.get(TierName.SSD) == []
         assert again.open_report.indexed[TierName.SSD] == kept

@@ -22,6 +22,7 @@ from statestore.client import ClientOptions, ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability
+from tests.service import assert_rejected
 from tiers.record import HEADER_SIZE, Record, encode_record, make_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,15 +72,6 @@ async def snapshot(c: StateStoreClient) -> list[tuple[bytes, int, tuple[str, ...
     """What the caller can see of stored state."""
     records, _ = await c.list_records()
     return [(r.key, r.size_bytes, tuple(r.tiers), r.pinned) for r in records]
-
-
-async def assert_rejected(coro: object, code: grpc.StatusCode, *fragments: str) -> ServiceError:
-    with pytest.raises(ServiceError) as info:
-        await coro  # type: ignore[misc]
-    assert info.value.code == code, info.value
-    for fragment in fragments:
-        assert fragment in info.value.message, info.value.message
-    return info.value
 
 
 # ----- happy paths --------------------------------------------------------------------------

@@ -13,10 +13,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from statestore.client import ServiceError, StateStoreClient
+from statestore.client import StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability
+from tests.service import assert_rejected
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,14 +47,6 @@ async def bob(server: StateStoreServer) -> AsyncIterator[StateStoreClient]:
 def messages(seed: int = 0, sizes: tuple[int, ...] = (90, 57, 120)) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in sizes]
-
-
-async def assert_rejected(coro: object, code: grpc.StatusCode, *fragments: str) -> None:
-    with pytest.raises(ServiceError) as info:
-        await coro  # type: ignore[misc]
-    assert info.value.code == code, info.value
-    for fragment in fragments:
-        assert fragment in info.value.message, info.value.message
 
 
 async def test_checkpoint_drop_resume_exact_continues_like_an_uninterrupted_run(alice: StateStoreClient) -> None:

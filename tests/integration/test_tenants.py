@@ -30,11 +30,12 @@ import pytest
 import pytest_asyncio
 
 from proto.statestore.v1 import common_pb2
-from statestore.client import ServiceError, StateStoreClient
+from statestore.client import StateStoreClient
 from statestore.config import ConfigError, ServiceConfig, TenantQuota, load_config
 from statestore.keys import tenant_id
 from statestore.server import StateStoreServer
 from statestore.types import Durability
+from tests.service import assert_rejected, clients_for
 from tiers.record import Record, encode_record, make_record
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,21 +60,8 @@ async def server(tmp_path: Path) -> AsyncIterator[StateStoreServer]:
 
 @pytest_asyncio.fixture
 async def clients(server: StateStoreServer) -> AsyncIterator[dict[str, StateStoreClient]]:
-    out = {t: StateStoreClient(f"127.0.0.1:{server.port}", token=tok) for t, tok in TOKENS.items()}
-    for c in out.values():
-        c.open()
-    yield out
-    for c in out.values():
-        await c.aclose()
-
-
-async def assert_rejected(coro: object, code: grpc.StatusCode, *fragments: str) -> ServiceError:
-    with pytest.raises(ServiceError) as info:
-        await coro  # type: ignore[misc]
-    assert info.value.code == code, info.value
-    for fragment in fragments:
-        assert fragment in info.value.message, info.value.message
-    return info.value
+    async with clients_for(server, TOKENS) as out:
+        yield out
 
 
 def record(server: StateStoreServer, block_key: bytes, nbytes: int = 1000, kind: int = GLOBAL_KV) -> Record:
@@ -258,12 +246,8 @@ async def quota_server(tmp_path: Path) -> AsyncIterator[StateStoreServer]:
 
 @pytest_asyncio.fixture
 async def quota_clients(quota_server: StateStoreServer) -> AsyncIterator[dict[str, StateStoreClient]]:
-    out = {t: StateStoreClient(f"127.0.0.1:{quota_server.port}", token=tok) for t, tok in TOKENS.items()}
-    for c in out.values():
-        c.open()
-    yield out
-    for c in out.values():
-        await c.aclose()
+    async with clients_for(quota_server, TOKENS) as out:
+        yield out
 
 
 def record_size() -> int:
