@@ -170,11 +170,7 @@ if triton is not None:
         v3 = valid[:, None, None]
         c = tl.load(codes_ptr + s3 * (D // 2) + b[None, :, None] * HB + h[None, None, :], mask=v3, other=0)
         c = c.to(tl.int32)
-        sb = tl.load(scales_ptr + src_rows[:, None] * NB + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        if E4M3:
-            scale = _e4m3_decode(sb)
-        else:
-            scale = _e8m0_decode(sb)
+        scale = _load_scales(scales_ptr, src_rows, valid, NB, E4M3)
         scale3 = scale[:, :, None]
         lo = _e2m1_values(c & 15) * scale3
         hi = _e2m1_values(c >> 4) * scale3
@@ -207,6 +203,31 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def _scale_e4m3(amax):
+        """Block max (NaN if the block holds one) -> (E4M3 scale byte, scale value)."""
+        v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)  # floor 6 * 2**-9
+        return _e4m3_round(tl.where(amax != amax, amax, v))
+
+    @triton.jit
+    def _scale_e8m0(amax):
+        """Block max (NaN if the block holds one) -> E8M0 scale byte (255 for NaN and inf)."""
+        v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)  # floor 6 * 2**-126
+        vb = v.to(tl.int32, bitcast=True)
+        byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+        return tl.where(amax != amax, 255, tl.minimum(byte, 255))
+
+    @triton.jit
+    def _load_scales(scales_ptr, src_rows, valid, NB: tl.constexpr, E4M3: tl.constexpr):
+        """[ROWS, NB] float32 scales of packed rows `src_rows` (masked by `valid`)."""
+        sb = tl.load(scales_ptr + src_rows[:, None] * NB + tl.arange(0, NB)[None, :], mask=valid[:, None],
+                     other=0).to(tl.int32)
+        if E4M3:
+            scale = _e4m3_decode(sb)
+        else:
+            scale = _e8m0_decode(sb)
+        return scale
+
+    @triton.jit
     def _e2m1_codes_v2(t):
         """`_e2m1_codes` with 3 roundings instead of 7 threshold tests: on the grid in quarters
         (0, 2, 4, 6 | 8, 12 | 16, 24) the index is rint(a/2) below 8, 4 + rint((a-8)/4) below 16,
@@ -223,7 +244,8 @@ if triton is not None:
 
     @triton.jit
     def _div_pow2(xb, byte):
-        """x / (s / 4) for [R, NB, BS] x and [R, NB] E8M0 bytes, by multiplying with the exact reciprocal.
+        """x / (s / 4) for x and E8M0 scale bytes shaped to broadcast against it (one per block,
+        e.g. [R, NB, 1] for [R, NB, BS] x), by multiplying with the exact reciprocal.
 
         s / 4 = 2**(byte - 129) is a power of two, so x * 2**(129 - byte) is the same real number
         as the quotient and rounds to the same float (overflow, subnormals, signed zeros, NaN
@@ -235,7 +257,7 @@ if triton is not None:
         recip = tl.where(byte == 1, 1.7014118346046923e38, recip)  # 2**127
         recip = tl.where(byte == 255, float("nan"), recip)
         pre = tl.where(byte == 1, 2.0, 1.0)
-        return (xb * pre[:, :, None]) * recip[:, :, None]
+        return (xb * pre) * recip
 
     @triton.jit
     def _quantize_v2_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
@@ -249,18 +271,11 @@ if triton is not None:
         xb = tl.reshape(x, [ROWS, NB, BS])
         amax = tl.reduce(tl.abs(xb), 2, _max_nan)  # [ROWS, NB]; NaN if the block holds one
         if E4M3:
-            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
-            v = tl.where(amax != amax, amax, v)
-            byte, scale = _e4m3_round(v)
-        else:
-            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
-            vb = v.to(tl.int32, bitcast=True)
-            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
-            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
-        if E4M3:
+            byte, scale = _scale_e4m3(amax)
             t = tl.math.div_rn(xb, (scale * 0.25)[:, :, None])
         else:
-            t = _div_pow2(xb, byte)
+            byte = _scale_e8m0(amax)
+            t = _div_pow2(xb, byte[:, :, None])
         codes = _e2m1_codes_v2(t)
         lo, hi = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)
@@ -277,11 +292,7 @@ if triton is not None:
         m2 = valid[:, None]
         byte = tl.load(codes_ptr + src_rows[:, None] * (D // 2) + (cols // 2)[None, :], mask=m2, other=0).to(tl.int32)
         code = (byte >> ((cols & 1) * 4)[None, :]) & 15
-        sb = tl.load(scales_ptr + src_rows[:, None] * NB + tl.arange(0, NB)[None, :], mask=m2, other=0).to(tl.int32)
-        if E4M3:
-            scale = _e4m3_decode(sb)
-        else:
-            scale = _e8m0_decode(sb)
+        scale = _load_scales(scales_ptr, src_rows, valid, NB, E4M3)
         vals = tl.reshape(tl.reshape(_e2m1_values(code), [ROWS, NB, BS]) * scale[:, :, None], [ROWS, D])
         tl.store(out_ptr + dst_rows[:, None] * D + cols[None, :], vals.to(out_ptr.dtype.element_ty), mask=m2)
 
@@ -302,7 +313,8 @@ if triton is not None:
 
     @triton.jit
     def _div_rn_by_block(xb, q):
-        """RN(x / q) for [R, NB, BS] x and [R, NB] q with one division per block, not per value.
+        """RN(x / q) for x and q shaped to broadcast against it (one per block, e.g. [R, NB, 1]
+        for [R, NB, BS] x) with one division per block, not per value.
 
         Markstein's correction: with r = RN(1/q) (the one `div_rn` per block), t1 = RN(x * r)
         is within one ulp of x / q, the remainder x - q * t1 is exact in an fma, and
@@ -312,9 +324,9 @@ if triton is not None:
         code) t1 itself is used. NaN in x or q stays NaN. -0.0 may come back as +0.0, which
         `_e2m1_codes_v2` encodes alike (its sign bit is `t < 0`).
         """
-        r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, :, None]
+        r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)
         t1 = xb * r
-        rem = tl.fma(-t1, q[:, :, None], xb)
+        rem = tl.fma(t1, -q, xb)
         t2 = tl.fma(rem, r, t1)
         return tl.where(tl.abs(t1) < 32.0, t2, t1)
 
@@ -331,16 +343,11 @@ if triton is not None:
         xb = tl.reshape(x, [ROWS, NB, BS])
         amax = tl.reduce(tl.abs(xb), 2, _max_nan)
         if E4M3:
-            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
-            v = tl.where(amax != amax, amax, v)
-            byte, scale = _e4m3_round(v)
-            t = _div_rn_by_block(xb, scale * 0.25)
+            byte, scale = _scale_e4m3(amax)
+            t = _div_rn_by_block(xb, (scale * 0.25)[:, :, None])
         else:
-            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
-            vb = v.to(tl.int32, bitcast=True)
-            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
-            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
-            t = _div_pow2(xb, byte)
+            byte = _scale_e8m0(amax)
+            t = _div_pow2(xb, byte[:, :, None])
         codes = _e2m1_codes_v2(t)
         lo, hi = tl.split(tl.reshape(codes, [ROWS, D // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)
@@ -357,11 +364,7 @@ if triton is not None:
         H: tl.constexpr = D // 2
         m2 = valid[:, None]
         c = tl.load(codes_ptr + src_rows[:, None] * H + tl.arange(0, H)[None, :], mask=m2, other=0).to(tl.int32)
-        sb = tl.load(scales_ptr + src_rows[:, None] * NB + tl.arange(0, NB)[None, :], mask=m2, other=0).to(tl.int32)
-        if E4M3:
-            scale = _e4m3_decode(sb)
-        else:
-            scale = _e8m0_decode(sb)
+        scale = _load_scales(scales_ptr, src_rows, valid, NB, E4M3)
         per_byte = tl.reshape(tl.broadcast_to(scale[:, :, None], [ROWS, NB, BS // 2]), [ROWS, H])
         lo = _e2m1_values(c & 15) * per_byte
         hi = _e2m1_values(c >> 4) * per_byte
@@ -418,23 +421,11 @@ if triton is not None:
         x = tl.load(x_ptr + blk[:, None] * BS + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         amax = tl.reduce(tl.abs(x), 1, _max_nan)  # [NBLK]
         if E4M3:
-            v = tl.minimum(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
-            v = tl.where(amax != amax, amax, v)
-            byte, scale = _e4m3_round(v)
-            q = scale * 0.25
-            r = tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)[:, None]
-            t1 = x * r
-            t2 = tl.fma(tl.fma(t1, -q[:, None], x), r, t1)  # Markstein: see _div_rn_by_block
-            t = tl.where(tl.abs(t1) < 32.0, t2, t1)
+            byte, scale = _scale_e4m3(amax)
+            t = _div_rn_by_block(x, (scale * 0.25)[:, None])
         else:
-            v = tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0)
-            vb = v.to(tl.int32, bitcast=True)
-            byte = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
-            byte = tl.where(amax != amax, 255, tl.minimum(byte, 255))
-            recip = ((256 - byte) << 23).to(tl.float32, bitcast=True)  # as _div_pow2
-            recip = tl.where(byte == 1, 1.7014118346046923e38, recip)
-            pre = tl.where(byte == 1, 2.0, 1.0)
-            t = (x * pre[:, None]) * recip[:, None]
+            byte = _scale_e8m0(amax)
+            t = _div_pow2(x, byte[:, None])
         codes = _e2m1_codes_v5(t)
         lo, hi = tl.split(tl.reshape(codes, [NBLK, BS // 2, 2]))
         # the blocks whose every t is NaN get code 0 here, once per byte: a NaN in the block (both
