@@ -63,12 +63,16 @@ class HostTier(Tier):
         alloc = self._pools.reserve(record.header.kind, len(record.payload))
         if alloc is None:
             return False
-        self._pools.write(alloc, record.payload)
         header = encode_header(record.header, stored_length=len(record.payload), flags=0,
-                               checksum=record.payload_sum())
+                               checksum=self._write_payload(alloc, record))
         self._drop(record.key)
         self._index[record.key] = _Resident(header, alloc)
         return True
+
+    def _write_payload(self, alloc: Allocation, record: Record) -> int:
+        """Copy the payload into its pages; returns the checksum its header stores."""
+        self._pools.write(alloc, record.payload)
+        return record.payload_sum()
 
     async def get(self, key: RecordKey) -> Record | None:
         entry = self._index.get(key)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
-from tiers.host import HostTier, _Resident
-from tiers.pools import DEFAULT_PAGE_BYTES
-from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey, decode_header, encode_header
+from tiers.host import HostTier
+from tiers.pools import DEFAULT_PAGE_BYTES, Allocation
+from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey, decode_header
 
 FILE_BLOCK_BYTES = 4096
 INDEX_ENTRY_BYTES = 128  # key, sizes, path slot: the order of the SSD tier's in-memory entry
@@ -49,14 +49,9 @@ class AccountingHostTier(HostTier):
         super().__init__(budget_bytes, page_sizes, default_page_bytes, slab_bytes=slab_bytes, materialize=False)
         self._zeros = _Zeros()
 
-    async def put(self, record: Record) -> bool:
-        alloc = self._pools.reserve(record.header.kind, len(record.payload))
-        if alloc is None:
-            return False
-        header = encode_header(record.header, stored_length=len(record.payload), flags=0, checksum=0)
-        self._drop(record.key)
-        self._index[record.key] = _Resident(header, alloc)
-        return True
+    def _write_payload(self, alloc: Allocation, record: Record) -> int:
+        """Pages reserved, nothing written: no bytes and no checksum to keep."""
+        return 0
 
     async def get(self, key: RecordKey) -> Record | None:
         entry = self._index.get(key)
