@@ -65,6 +65,7 @@ ext2, vfat) do not give more. That is what the spares buy back, without the assu
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -124,18 +125,54 @@ def _write_all(fd: int, chunks: Sequence[Chunk]) -> None:
             views[0] = views[0][written:]
 
 
+HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size: what MADV_HUGEPAGE asks for
+
+
+def map_io_buffer(nbytes: int) -> memoryview:
+    """A writable buffer of `nbytes` for O_DIRECT I/O, 2 MiB-aligned and backed by huge pages
+    where the kernel gives them (transparent huge pages in `madvise` or `always` mode).
+
+    Why: an O_DIRECT request is split where the buffer's pages are not physically contiguous.
+    Scattered 4 KiB pages cap a request at ~512 KiB on the development VM's virtio disk, whose
+    host serves requests one at a time, so a 32 MiB read took 60-64 requests and 18-26 ms;
+    into huge pages it takes 8 (max_sectors_kb 4096) and ~8.5 ms, and reads of 1-4 MiB gain
+    alike. The map is private: a shared anonymous map (`mmap.mmap(-1, n)`'s default) is shmem,
+    which `madvise(MADV_HUGEPAGE)` does not turn into huge pages. Where huge pages are not
+    available the buffer is an ordinary page-aligned map, as before.
+    """
+    size = round_up(max(nbytes, 1), HUGE_PAGE)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    whole = mmap.mmap(-1, size + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE)
+    start = -_address_of(whole) % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            whole.madvise(mmap.MADV_HUGEPAGE, start, size)
+        except OSError:  # a kernel without THP: ordinary pages
+            pass
+    return memoryview(whole)[start: start + size]
+
+
+def _address_of(buf: mmap.mmap) -> int:
+    """The address of a map's first byte (the export is released before returning)."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
 class _AlignedBuffers(threading.local):
-    """One page-aligned scratch buffer per worker thread, for O_DIRECT writes and for every
-    read (grown on need, in MiB steps). The SSD tier's worker threads live as long as the
-    tier, so each buffer is mapped and faulted in once, not per operation."""
+    """One huge-page, 2 MiB-aligned scratch buffer per worker thread (`map_io_buffer`), for
+    O_DIRECT writes and for every read (grown on need). The SSD tier's worker threads live as
+    long as the tier, so each buffer is mapped and faulted in once, not per operation."""
 
-    buf: mmap.mmap | None = None
+    buf: memoryview | None = None
 
-    def get(self, nbytes: int) -> mmap.mmap:
+    def get(self, nbytes: int) -> memoryview:
         if self.buf is None or len(self.buf) < nbytes:
             # The old map is dropped, not closed: a view of it may still be alive; it is
             # unmapped when the last one goes.
-            self.buf = mmap.mmap(-1, round_up(max(nbytes, 1), 1 << 20))  # anonymous: page-aligned
+            self.buf = map_io_buffer(nbytes)
         return self.buf
 
 
@@ -152,13 +189,14 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int) -> None:
     buf = _aligned.get(padded)
     offset = 0
     for chunk in chunks:
-        buf[offset: offset + len(chunk)] = chunk
-        offset += len(chunk)
+        view = memoryview(chunk).cast("B")
+        buf[offset: offset + len(view)] = view
+        offset += len(view)
     if padded != total:
         buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
-    view, done = memoryview(buf), 0
+    done = 0
     while done < padded:
-        done += os.write(fd, view[done:padded])
+        done += os.write(fd, buf[done:padded])
     if padded != total:
         os.ftruncate(fd, total)
 
@@ -331,8 +369,7 @@ def read_upto(fd: int, max_bytes: int) -> memoryview:
     per read); continued only from aligned offsets, as O_DIRECT requires. Callers ask for
     one byte more than they expect, so a file that grew shows as too long, not as whole.
     """
-    buf = _aligned.get(round_up(max_bytes, ALIGN))
-    view = memoryview(buf)[: round_up(max_bytes, ALIGN)]
+    view = _aligned.get(round_up(max_bytes, ALIGN))[: round_up(max_bytes, ALIGN)]
     got = 0
     while got < max_bytes:
         n = os.preadv(fd, [view[got:]], got)
