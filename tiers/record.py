@@ -294,11 +294,13 @@ def decode_record(
     expect_fingerprint: bytes | None = None,
     expect_tenant: bytes | None = None,
     expect_key: bytes | None = None,
+    keep_view: bool = False,
 ) -> Record:
     """Parse and verify a whole record; reject anything malformed or not the one expected.
 
     The payload is copied once (into the returned `bytes`), after its checksum was
-    verified on a view of `buf`.
+    verified on a view of `buf`; with `keep_view` (and no compression) it is not copied: the
+    payload is a read-only view of `buf`, for a caller whose `buf` outlives the record.
     """
     header, checksum = decode_header(buf)
     end = HEADER_SIZE + header.stored_length
@@ -316,7 +318,7 @@ def decode_record(
     if expect_key is not None and (expect_key[2:] != header.block_key
                                    or expect_key[:2] != header.kind.to_bytes(2, "big")):
         raise RecordError("record key does not match the key it was stored under")
-    payload = bytes(stored)
+    payload: bytes | memoryview = stored.toreadonly() if keep_view and not header.flags & FLAG_ZSTD else bytes(stored)
     if header.flags & FLAG_ZSTD:
         try:
             payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_length)
