@@ -448,14 +448,21 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
             lo, n = min(ids), len(ids)
             hbm.pools[kind].tensor[:n].copy_(host.pinned_pools[kind].tensor[lo: lo + n], non_blocking=True)
 
-    ref_t, raw_t, load_s, stage_s, stage_ck_s = [], [], [], [], []
+    ref_t, raw_t, load_s, stage_s, stage_ck_s, issue_s = [], [], [], [], [], []
+
+    def load_pinned() -> None:
+        t0 = time.perf_counter()
+        events = hbm.load_from(host, keys)
+        issue_s.append(time.perf_counter() - t0)  # diagnostic: the Python of load_from, copies in flight
+        wait_all(events)
+
     for _ in range(max(9, repeats)):  # the reference interleaved with ours: same clocks, same link state
         ref_t.append(wall(lambda: dev.copy_(pinned, non_blocking=True))[0])
         if on_cuda() and copy_runs == len(src_ids):
             raw_t.append(wall(raw_pool_copies)[0])
         for how, out in (("pinned", load_s), ("staged", stage_s), ("staged+checksums", stage_ck_s)):
             if how == "pinned":
-                t, _ = wall(lambda: wait_all(hbm.load_from(host, keys)))
+                t, _ = wall(load_pinned)
             else:
                 t, _ = wall(lambda: wait_all(hbm.load(records, checksums=how != "staged")))
             out.append(t)
@@ -467,6 +474,9 @@ async def run_length(engine: CEDEngine, adapter: CEDAdapter, num_tokens: int, re
                  "load_from_bytes_via_staging_GBps": nbytes / statistics.median(stage_s) / 1e9,
                  "staging_with_checksums_GBps": nbytes / statistics.median(stage_ck_s) / 1e9,
                  "pinned_copy_GBps": nbytes / ref_s / 1e9, "vs_pinned_copy": ratio,
+                 "ref_us": ref_s * 1e6, "load_us": statistics.median(load_s) * 1e6,
+                 "load_from_returns_us": statistics.median(issue_s) * 1e6,
+                 "driver_copies_refused": (hbm._h2d.refused, hbm._h2d.last_refusal) if hbm._h2d else "no driver",
                  "raw_pool_copies_GBps": nbytes / statistics.median(raw_t) / 1e9 if raw_t else None})
     floors[f"h2d_load_vs_pinned_copy_{label}"] = Floor(ratio, 0.8)
 

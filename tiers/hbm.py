@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from itertools import repeat
@@ -47,6 +48,12 @@ from tiers.record import Record, RecordKey, decode_header, encode_header, payloa
 
 DEFAULT_STAGING_BYTES = 16 << 20  # per staging buffer (two of them): big copies, short pipeline start
 DEFAULT_FILL_THREADS = 8
+# load_from's chunks (records): the first copy of a kind starts after FIRST_CHUNK records'
+# Python, later chunks double up to MAX_CHUNK. Chosen on the H200 (bench.gpu_probe, 2026-11-30:
+# 32..512 gave 0.89 / 0.93 of one plain copy at 256 / 1,024 records, 8..128 0.83 / 0.87, one
+# copy per kind 0.84 / 0.91; at 32 records all are within noise of each other, ~0.75).
+FIRST_CHUNK = 32
+MAX_CHUNK = 512
 
 
 class HbmUnavailable(RuntimeError):
@@ -70,6 +77,8 @@ class SlotPool:
         self.num_slots = num_slots
         self.tensor = (torch.empty(num_slots, page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
                        if materialize else None)
+        self.pinned = pin and materialize
+        self.address = self.tensor.data_ptr() if self.tensor is not None and self.tensor.numel() else 0  # of slot 0
         self._freed: list[int] = []  # heap of freed ids below the watermark
         self._fresh = 0  # ids [fresh, num_slots) were never handed out since the pool was last empty
         self._used = bytearray(num_slots)  # 1 = allocated; catches double frees
@@ -122,6 +131,42 @@ class _Resident(NamedTuple):
     slot_ids: tuple[int, ...]
     payload_len: int
     verified: bool  # the header holds the payload's checksum (see `load(checksums=...)`)
+
+
+class _DriverH2D:
+    """Host-to-device copies issued with the driver's `cuMemcpyHtoDAsync` through ctypes.
+
+    Why: on the H200's host a torch `dst[a:b].copy_(src[c:d], non_blocking=True)` costs
+    10-20 µs of Python and dispatch (two slices, a dispatcher pass, the current stream), where
+    the driver call costs ~1 µs; a 4K-token checkpoint (3.6 MB) is ~80 µs on the link, so those
+    microseconds are what separates `load_from` from one plain copy. Only for sources in pinned
+    pools (page-locked by torch's pinned allocator); a call the driver refuses (for instance
+    from a thread without the device's context current) returns False and the caller copies
+    with torch instead.
+    """
+
+    def __init__(self) -> None:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+        fn.argtypes = (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.refused = 0
+        self.last_refusal = 0
+
+    @staticmethod
+    def open() -> _DriverH2D | None:
+        """The driver's copy, or None where libcuda cannot be loaded (then torch copies)."""
+        try:
+            return _DriverH2D()
+        except (OSError, AttributeError):
+            return None
+
+    def __call__(self, dst_address: int, src_address: int, nbytes: int, stream: int) -> bool:
+        status = self._fn(dst_address, src_address, nbytes, stream)
+        if status:
+            self.last_refusal = status  # a CUresult, for diagnostics
+            self.refused += 1
+        return not status
 
 
 class _Ready:
@@ -183,6 +228,7 @@ class HbmTier(Tier):
         self._tally: dict[int, list[int]] = {}  # kind -> [records, payload bytes, footprint bytes]
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda and materialize else None
+        self._h2d = _DriverH2D.open() if self._stream is not None else None
         self._staging = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(2)] \
             if materialize else []
         self._staging_free: list[object] = [_Ready(), _Ready()]
@@ -322,95 +368,100 @@ class HbmTier(Tier):
     def load_from(self, host: PinnedHostTier, keys: Sequence[RecordKey]) -> list[object | None]:
         """Copy records held in `host`'s pinned pools straight into this tier: no staging copy.
 
-        Slots are reserved for the whole batch first, then one `cudaMemcpyAsync` is issued per
-        run of slots that is contiguous on both sides (a session checkpointed in order is one
-        run per kind), and the index is written while those copies fly. The payload checksums
-        the host tier computed at put are kept, so `get` still verifies. Returns one event per
-        key (None: not in a pinned pool of `host`, or no room here). Per record this is a few
-        dict and list operations: at 1,024 records it must stay under the ~2 ms of the copy.
+        Each kind's keys are taken in chunks that grow from `FIRST_CHUNK` records to
+        `MAX_CHUNK`: a chunk's slots are reserved and one host-to-device copy is issued per run
+        of slots contiguous on both sides (`_DriverH2D`) before the chunk's index entries are
+        written, so the link starts after one chunk's worth of Python and the Python of chunk
+        i+1 runs while chunk i is copied. The payload checksums the host tier computed at put
+        are kept, so `get` still verifies. Returns one event per key (None: not in a pinned
+        pool of `host`, or no room here; a chunk is loaded whole or not at all).
         """
-        entries = host._index
-        found = list(map(entries.get, keys))
+        found = list(map(host._index.get, keys))
         events: list[object | None] = [None] * len(keys)
-        # 1. per kind: its positions in `keys` (a range when the kind's keys are adjacent, as a
-        #    checkpoint's are), source pages, one allocation; every copy is issued before any
-        #    bookkeeping. C-level maps and slices: on the H200 host the Python before the first
-        #    byte moves is what separates this load from a plain copy.
-        groups = _group_by_kind(found, self.pools)
-        placed: list[tuple[int, range | list[int], list[_Resident], list[int], bool]] = []
-        copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]] = []
-        for kind, pos in groups:
+        loaded: list[range | list[int]] = []
+        for kind, pos in _group_by_kind(found, self.pools):
             src_pool, dst_pool = host.pinned_pools[kind], self.pools[kind]
             if src_pool.page_bytes != dst_pool.page_bytes:
-                raise ValueError(f"kind {kind}: host pages of {src_pool.page_bytes} B, hbm pages of {dst_pool.page_bytes} B")
-            items = found[pos.start: pos.stop] if isinstance(pos, range) else [found[i] for i in pos]
-            slot_lists = list(map(_SLOTS, items))
-            single = sum(map(len, slot_lists)) == len(items)  # one page per record (the usual case)
-            src_ids = list(map(_FIRST, slot_lists)) if single else [sid for t in slot_lists for sid in t]
-            ids = dst_pool.allocate(len(src_ids))
-            if ids is None:
-                continue
-            copies.append((src_pool, dst_pool, src_ids, ids))
-            placed.append((kind, pos, items, ids, single))
-        event = self._copy_slot_runs_many(copies) if copies else None
-        # 2. bookkeeping while the copies fly: one index update and one tally update per kind
-        index = self._index
-        for kind, pos, items, ids, single in placed:
-            page = self.pools[kind].page_bytes
-            batch_keys = keys[pos.start: pos.stop] if isinstance(pos, range) else [keys[i] for i in pos]
-            if not isinstance(batch_keys, list):
-                batch_keys = list(batch_keys)
-            unique = set(batch_keys)
-            if not index.keys().isdisjoint(unique):  # replaced records give their pages back first
-                for key in unique:
-                    if key in index:
-                        self._drop(key)
-            if single:
-                slot_tuples = list(zip(ids))
-                npages = len(items)
-                footprint = npages * page + len(items) * record_overhead_bytes(1)
+                raise ValueError(f"kind {kind}: host pages of {src_pool.page_bytes} B, "
+                                 f"hbm pages of {dst_pool.page_bytes} B")
+            for chunk in _pipeline_chunks(pos):
+                if self._load_chunk(keys, found, kind, chunk, src_pool, dst_pool):
+                    loaded.append(chunk)
+        event = self._batch_event() if loaded else None
+        for chunk in loaded:
+            if isinstance(chunk, range):
+                events[chunk.start: chunk.stop] = repeat(event, len(chunk))
             else:
-                slot_tuples, at = [], 0
-                for t in map(_SLOTS, items):
-                    slot_tuples.append(tuple(ids[at: at + len(t)]))
-                    at += len(t)
-                footprint = sum(len(t) * page + record_overhead_bytes(len(t)) for t in slot_tuples)
-            payload_lens = list(map(_PAYLOAD_LEN, items))
-            residents = map(_new_resident, zip(map(_HEADER, items), repeat(kind), slot_tuples, payload_lens,
-                                               map(_VERIFIED, items)))
-            if len(unique) == len(batch_keys):
-                index.update(zip(batch_keys, residents))
-                t = self._tally.setdefault(kind, [0, 0, 0])
-                t[0], t[1], t[2] = t[0] + len(items), t[1] + sum(payload_lens), t[2] + footprint
-            else:  # a key twice in one batch: the later copy wins and the earlier one's pages are freed
-                for key, resident in zip(batch_keys, residents):
-                    self._drop(key)
-                    index[key] = resident
-                    n = len(resident.slot_ids)
-                    self._count(kind, resident.payload_len, n * page + record_overhead_bytes(n), +1)
-            if isinstance(pos, range):
-                events[pos.start: pos.stop] = repeat(event, len(pos))
-            else:
-                for i in pos:
+                for i in chunk:
                     events[i] = event
         return events
 
-    def _copy_slot_runs_many(self, copies: list[tuple[SlotPool, SlotPool, list[int], list[int]]]) -> object:
-        """All kinds' copies on the tier's stream, one event for the batch."""
-        runs = [(src, dst, _slot_runs(src_ids, dst_ids)) for src, dst, src_ids, dst_ids in copies]
-        if any(dst.tensor is None or src.tensor is None for src, dst, _ in runs):
-            return _Ready()
+    def _load_chunk(self, keys: Sequence[RecordKey], found: list[_Resident | None], kind: int,
+                    pos: range | list[int], src_pool: SlotPool, dst_pool: SlotPool) -> bool:
+        """Reserve, copy and index one chunk of one kind (False: no room for it)."""
+        is_range = isinstance(pos, range)
+        items = found[pos.start: pos.stop] if is_range else [found[i] for i in pos]
+        slot_lists = list(map(_SLOTS, items))
+        single = sum(map(len, slot_lists)) == len(items)  # one page per record (the usual case)
+        src_ids = list(map(_FIRST, slot_lists)) if single else [sid for t in slot_lists for sid in t]
+        ids = dst_pool.allocate(len(src_ids))
+        if ids is None:
+            return False
+        self._issue_copies(src_pool, dst_pool, _slot_runs(src_ids, ids))
+        # bookkeeping while the copy flies: one index update and one tally update
+        index, page = self._index, dst_pool.page_bytes
+        batch_keys = list(keys[pos.start: pos.stop]) if is_range else [keys[i] for i in pos]
+        unique = set(batch_keys)
+        if not index.keys().isdisjoint(unique):  # replaced records give their pages back first
+            for key in unique:
+                if key in index:
+                    self._drop(key)
+        if single:
+            slot_tuples = list(zip(ids))
+            footprint = len(items) * (page + record_overhead_bytes(1))
+        else:
+            slot_tuples, at = [], 0
+            for t in slot_lists:
+                slot_tuples.append(tuple(ids[at: at + len(t)]))
+                at += len(t)
+            footprint = sum(len(t) * page + record_overhead_bytes(len(t)) for t in slot_tuples)
+        payload_lens = list(map(_PAYLOAD_LEN, items))
+        residents = map(_new_resident, zip(map(_HEADER, items), repeat(kind), slot_tuples, payload_lens,
+                                           map(_VERIFIED, items)))
+        if len(unique) == len(batch_keys):
+            index.update(zip(batch_keys, residents))
+            t = self._tally.setdefault(kind, [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + len(items), t[1] + sum(payload_lens), t[2] + footprint
+        else:  # a key twice in one chunk: the later copy wins and the earlier one's pages are freed
+            for key, resident in zip(batch_keys, residents):
+                self._drop(key)
+                index[key] = resident
+                n = len(resident.slot_ids)
+                self._count(kind, resident.payload_len, n * page + record_overhead_bytes(n), +1)
+        return True
+
+    def _copy_stream(self) -> AbstractContextManager[object]:
+        """The tier's CUDA stream as the current one (copies are issued onto it); none on CPU."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _issue_copies(self, src: SlotPool, dst: SlotPool, runs: list[tuple[int, int, int]]) -> None:
+        """One copy per run of slots onto the tier's stream (asynchronous on CUDA): through the
+        driver where the source is pinned, else (or if the driver refuses) with torch."""
+        if dst.tensor is None or src.tensor is None:
+            return
+        h2d, page = (self._h2d if src.pinned else None), dst.page_bytes
+        stream = self._stream.cuda_stream if h2d is not None else 0
+        for s_id, d_id, n in runs:
+            if h2d is None or not h2d(dst.address + d_id * page, src.address + s_id * page, n * page, stream):
+                with self._copy_stream():
+                    dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n], non_blocking=self._stream is not None)
+
+    def _batch_event(self) -> object:
+        """An event on the tier's stream after the copies issued so far (on CPU: already done)."""
         if self._stream is None:
-            for src, dst, rs in runs:
-                for s_id, d_id, n in rs:
-                    dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n])
             return _Ready()
-        with torch.cuda.stream(self._stream):
-            for src, dst, rs in runs:
-                for s_id, d_id, n in rs:
-                    dst.tensor[d_id: d_id + n].copy_(src.tensor[s_id: s_id + n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        event = torch.cuda.Event()
+        event.record(self._stream)
         return event
 
     @staticmethod
@@ -530,6 +581,15 @@ def _group_by_kind(found: list[_Resident | None], pools: Mapping[int, SlotPool])
         if e is not None and e.kind in pools:
             lists.setdefault(e.kind, []).append(i)
     return list(lists.items())
+
+
+def _pipeline_chunks(pos: range | list[int]) -> Iterator[range | list[int]]:
+    """Slices of `pos` of FIRST_CHUNK, 2x, 4x ... records, at most MAX_CHUNK each."""
+    size, at = FIRST_CHUNK, 0
+    while at < len(pos):
+        yield pos[at: at + size]
+        at += size
+        size = min(2 * size, MAX_CHUNK)
 
 
 def _slot_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -151,3 +151,25 @@ def test_load_from_many_keys_duplicates_and_misses() -> None:
     assert u.by_kind[GLOBAL].num_records == 150 and u.by_kind[INDEX].num_records == 48
     assert u.by_kind[GLOBAL].resident_bytes == 150 * (100 + record_overhead_bytes(1))
     assert tier.pools[GLOBAL].num_free_slots == 50  # the first copy of recs[3] gave its page back
+
+
+def test_load_from_short_of_slots_loads_whole_chunks_and_says_which() -> None:
+    """load_from copies a kind in growing chunks (FIRST_CHUNK, then twice that ... records); a
+    chunk that does not fit is refused whole (None for its keys, nothing taken), the chunks
+    before it stay loaded and bit-exact, and the accounting counts only those."""
+    from tiers.hbm import FIRST_CHUNK, PinnedHostTier
+    from tiers.host import HostTier
+
+    fit = FIRST_CHUNK + 2 * FIRST_CHUNK  # the first two chunks; the third (8 records) finds 2 slots
+    n = fit + 8
+    host = PinnedHostTier(HostTier(1 << 20), {GLOBAL: 100, INDEX: 40}, {GLOBAL: n, INDEX: 8}, pin=False)
+    recs = [_record(GLOBAL, 100, i % 251, i) for i in range(n)]
+    for r in recs:
+        assert asyncio.run(host.put(r))
+    tier = _tier(slots=fit + 2)
+    events = tier.load_from(host, [r.key for r in recs])
+    assert all(e is not None for e in events[:fit]) and all(e is None for e in events[fit:])
+    for r in recs[:fit]:
+        assert asyncio.run(tier.get(r.key)).payload == r.payload
+    assert asyncio.run(tier.contains([r.key for r in recs[fit:]])) == [False] * (n - fit)
+    assert tier.usage().by_kind[GLOBAL].num_records == fit and tier.pools[GLOBAL].num_free_slots == 2
