@@ -74,7 +74,7 @@ import zstandard
 from bench.common import RESULTS_DIR, Floor, print_floors, print_table, write_results
 from statestore.allocator import keep_large_buffers_in_heap
 from tiers.record import Record, encode_record, make_record
-from tiers._fs import make_spares, map_io_buffer, write_new, write_spare
+from tiers._fs import IOBuffers, make_spares, map_io_buffer, write_new, write_spare
 from tiers.ssd import OVERLAP_DIR_SYNC_MIN_BYTES, SSDTier
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
@@ -291,11 +291,13 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
     spare_names = (f"{i:x}.spare" for i in itertools.count())
     spares: list[str] = []  # one per record, made between rounds (untimed)
 
+    buffers = IOBuffers(qd)  # the protocol sides stage O_DIRECT writes as the tier does
+
     def durable(i: int) -> None:
-        write_spare(spares[i], names[i], [data], direct=direct)
+        write_spare(spares[i], names[i], [data], direct=direct, buffers=buffers)
 
     def durable_dirsync(i: int) -> None:
-        assert write_new(names[i], [data], direct=direct, dir_sync=dir_sync)
+        assert write_new(names[i], [data], direct=direct, buffers=buffers, dir_sync=dir_sync)
 
     async def protocol() -> float:
         """The tier's own durable protocol for a new key (into a spare, fdatasync, rename) in plain code."""

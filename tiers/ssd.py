@@ -34,9 +34,10 @@ to its final name and indexes it. The index (key -> header, file size) lives in 
 verified lazily by `get`). Spares hold no data blocks; they are not records and count
 0 bytes in `usage()` (`spare_files` says how many there are).
 
-Every disk operation is one call on the tier's own threads (`max_concurrency` of them, `tiers._hop`,
-long-lived, so their aligned I/O buffers are mapped once): encode + write + syncs for a put,
-open + read + verify for a get.
+Every disk operation is one call on the tier's own threads (`max_concurrency` of them, `tiers._hop`):
+encode + write + syncs for a put, open + read + verify for a get. Each takes an aligned I/O
+buffer from the tier's pool (`tiers._fs.IOBuffers`: huge pages, mapped and faulted in once,
+reused by whichever thread runs the next operation).
 
 The tier never evicts. With a budget, `put` refuses (False) a record that would not fit,
 writing nothing; the store decides what to delete to make room.
@@ -104,6 +105,11 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # behind a write this long; below it the extra thread handoff cost about what it saved
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
+# A single get of a record at least this large returns its payload as a view of the pooled
+# (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`); the
+# buffer is busy until the caller drops the payload. Below it a view would pin a 2 MiB buffer
+# per small record held, and the copy costs little.
+LEND_MIN_BYTES = 1 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
 # up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
@@ -350,15 +356,19 @@ class _ReadResult:
     error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
-def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool]]) -> list[_ReadResult]:
-    """Worker thread: read and fully verify each file (one read each); never raises per file."""
-    return [_read_record(path, key, file_bytes, direct) for path, key, file_bytes, direct in jobs]
+def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool]], buffers: _fs.IOBuffers) -> list[_ReadResult]:
+    """Worker thread: read and fully verify each file (one read each); never raises per file.
+    Each payload is copied out (a batch would hold a pool buffer per record)."""
+    return [_read_record(path, key, file_bytes, direct, buffers) for path, key, file_bytes, direct in jobs]
 
 
-def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool) -> _ReadResult:
-    """One open, one read of the indexed size (+1 byte: a grown file shows as too long),
-    verify on the thread's buffer, one copy of the payload out. The inode is looked up only
-    for a bad file, so that the caller quarantines exactly the file it read."""
+def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
+                 lend: bool = False) -> _ReadResult:
+    """One open, one read of the indexed size (+1 byte: a grown file shows as too long)
+    into an aligned buffer of `buffers`, verified there. The payload is copied out, or with
+    `lend` is a read-only view of the buffer, which goes back to the pool once the caller
+    drops the payload (`IOBuffers.lend`). The inode is looked up only for a bad file, so that
+    the caller quarantines exactly the file it read."""
     try:
         fd = _fs.open_for_read(path, direct=direct)
     except FileNotFoundError:
@@ -366,16 +376,23 @@ def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool) -> _R
     except OSError as exc:
         return _ReadResult(None, error=exc)
     try:
-        try:
-            data = _fs.read_upto(fd, file_bytes + 1)
-        except OSError as exc:
-            return _ReadResult(None, error=exc)
-        try:
-            return _ReadResult(decode_record(data, expect_key=key))
-        except RecordError as exc:
-            return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
+        if lend:
+            return _read_verified(fd, key, file_bytes, buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN)), True)
+        with buffers.lease(_fs.round_up(file_bytes + 1, _fs.ALIGN)) as buf:
+            return _read_verified(fd, key, file_bytes, buf, False)
     finally:
         os.close(fd)
+
+
+def _read_verified(fd: int, key: RecordKey, file_bytes: int, buf: memoryview, keep_view: bool) -> _ReadResult:
+    try:
+        data = _fs.read_upto(fd, file_bytes + 1, buf)
+    except OSError as exc:
+        return _ReadResult(None, error=exc)
+    try:
+        return _ReadResult(decode_record(data, expect_key=key, keep_view=keep_view))
+    except RecordError as exc:
+        return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
 
 
 @dataclass(slots=True)
@@ -554,6 +571,7 @@ class SSDTier(Tier):
         self._zstd_kinds = dict(zstd_kinds or {})
         self._direct_io_min_bytes = direct_io_min_bytes
         self._max_concurrency = max_concurrency
+        self._buffers = _fs.IOBuffers(max_concurrency)  # aligned I/O buffers, one per operation in flight
         self._index: dict[RecordKey, _Entry] = {}
         self._tally: dict[int, _KindTally] = {}
         self._resident_bytes = 0
@@ -849,14 +867,14 @@ class SSDTier(Tier):
         written = False
         if spare is not None:
             try:
-                _fs.write_spare(spare, final, chunks, direct=direct)
+                _fs.write_spare(spare, final, chunks, direct=direct, buffers=self._buffers)
                 written = True
             except FileNotFoundError:  # the spare is gone (removed behind the tier's back)
                 logger.warning("ssd spare %s vanished; %s written without it", spare, key.hex())
         if not written:
             dir_sync = self._dir_sync if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
-            if not (new_key and _fs.write_new(final, chunks, direct=direct, dir_sync=dir_sync)):
-                _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct)
+            if not (new_key and _fs.write_new(final, chunks, direct=direct, buffers=self._buffers, dir_sync=dir_sync)):
+                _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct, buffers=self._buffers)
         stored, _ = decode_header(head)
         return stored
 
@@ -872,7 +890,9 @@ class SSDTier(Tier):
         if entry is None:
             return None
         path = self._layout.path_str(key)
-        result = await self._run(_read_record, path, key, entry.file_bytes, self._read_direct(entry))
+        direct = self._read_direct(entry)
+        lend = direct and entry.file_bytes >= LEND_MIN_BYTES
+        result = await self._run(_read_record, path, key, entry.file_bytes, direct, self._buffers, lend)
         return result.record if result.record is not None else await self._finish_get(key, path, result)
 
     def _read_direct(self, entry: _Entry) -> bool:
@@ -887,7 +907,7 @@ class SSDTier(Tier):
         out: list[Record | None] = [None] * len(keys)
         shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
         results = await asyncio.gather(*(
-            self._run(_read_records, [(p, k, e.file_bytes, self._read_direct(e)) for _, p, k, e in share])
+            self._run(_read_records, [(p, k, e.file_bytes, self._read_direct(e)) for _, p, k, e in share], self._buffers)
             for share in shares))
         for share, share_results in zip(shares, results):
             for (i, path, key, _), result in zip(share, share_results):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 from tests.proc import freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, make_record
-from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier, _KeyLocks
+from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SSDTier, _KeyLocks
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
 
@@ -690,3 +692,65 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
             await tier.aclose()
 
     asyncio.run(check())
+
+
+def _fs_dirs(tmp_path: Path) -> list[Path]:
+    """The test's own directory, and a tmpfs one where the machine has /dev/shm (O_DIRECT is
+    refused there by older kernels: the buffered fallback)."""
+    dirs = [tmp_path]
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        dirs.append(Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ssd-test-")))
+    return dirs
+
+
+@pytest.mark.parametrize("where", ["tmp_path", "tmpfs"])
+async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path, where: str) -> None:
+    """A get of a record >= LEND_MIN_BYTES returns the payload as a read-only view of the pooled
+    buffer it was read into; the buffer serves the next get only once that view is gone."""
+    dirs = _fs_dirs(tmp_path)
+    if where == "tmpfs" and len(dirs) < 2:
+        pytest.skip("no writable /dev/shm")
+    root = dirs[-1] if where == "tmpfs" else dirs[0]
+    tier = await SSDTier.create(root / "ssd", max_concurrency=1)
+    try:
+        big = [rec(i, LEND_MIN_BYTES + 4097 * i) for i in range(3)]
+        small = rec(9, 300_000)  # direct, but below the lending size: a copy
+        assert await tier.put_many([*big, small]) == [True] * 4
+        got = await tier.get(big[0].key)
+        assert isinstance(got.payload, memoryview) and got.payload.readonly
+        assert_same(got, big[0])
+        assert got.checksum is not None
+        in_use = ctypes.addressof(got.payload.obj)  # the buffer it was read into
+        other = await tier.get(big[1].key)  # the first one is still held: another buffer
+        other_buffer = ctypes.addressof(other.payload.obj)
+        assert other_buffer != in_use
+        assert_same(other, big[1])
+        assert bytes(got.payload) == big[0].payload  # not overwritten by the second read
+        del got, other
+        again = await tier.get(big[2].key)  # both buffers are back: the last one given back serves
+        assert ctypes.addressof(again.payload.obj) in (in_use, other_buffer)  # reused, not a new map
+        assert_same(again, big[2])
+        assert isinstance((await tier.get(small.key)).payload, bytes)
+    finally:
+        await tier.aclose()
+        if where == "tmpfs":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_large_get_of_a_corrupt_record_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    tier = await SSDTier.create(tmp_path / "ssd")
+    try:
+        bad = rec(1, 2 * LEND_MIN_BYTES)
+        await tier.put(bad)
+        path = record_path(tier._layout.root, bad)
+        with open(path, "r+b") as f:
+            f.seek(HEADER_SIZE + LEND_MIN_BYTES + 77)
+            byte = f.read(1)[0]
+            f.seek(HEADER_SIZE + LEND_MIN_BYTES + 77)
+            f.write(bytes([byte ^ 0x10]))
+            f.flush()
+            os.fsync(f.fileno())
+        assert await tier.get(bad.key) is None
+        assert not path.exists() and await tier.contains([bad.key]) == [False]
+    finally:
+        await tier.aclose()

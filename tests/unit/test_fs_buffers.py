@@ -33,20 +33,45 @@ def test_buffers_are_private(tmp_path: Path) -> None:
     assert bytes(a[:4]) == b"aaaa" and bytes(b[:4]) == b"bbbb"
 
 
-def test_thread_buffer_grows_and_is_reused() -> None:
-    small = _fs._aligned.get(4096)
-    assert _fs._aligned.get(100) is small
-    big = _fs._aligned.get(len(small) + 1)
+def test_pool_reuses_the_last_buffer_that_fits() -> None:
+    pool = _fs.IOBuffers(max_buffers=2)
+    small = pool.take(4096)
+    pool.give(small)
+    assert pool.take(100) is small  # reused: already faulted in
+    big = pool.take(len(small) + 1)  # nothing free fits: a new one
     assert big is not small and len(big) > len(small)
+    pool.give(small)
+    pool.give(big)
+    assert pool.take(len(small) + 1) is big
+    assert pool.take(1) is small
+
+
+def test_pool_keeps_at_most_max_buffers_dropping_the_smallest() -> None:
+    pool = _fs.IOBuffers(max_buffers=2)
+    taken = [pool.take(n) for n in (1, 3 << 20, 5 << 20)]
+    for buf in taken:
+        pool.give(buf)
+    kept = [pool.take(1), pool.take(1)]
+    assert sorted(len(b) for b in kept) == [len(taken[1]), len(taken[2])]
+    assert all(b is not taken[0] for b in kept)
+
+
+def test_buffers_in_use_are_never_handed_out_twice() -> None:
+    pool = _fs.IOBuffers(max_buffers=4)
+    with pool.lease(4096) as a, pool.lease(4096) as b:
+        assert a is not b
+    with pytest.raises(ValueError, match="max_buffers"):
+        _fs.IOBuffers(0)
 
 
 def test_direct_round_trip_through_the_buffer(tmp_path: Path) -> None:
     """What the tier does with it: an O_DIRECT write and read of an unaligned length."""
     data = os.urandom(3 * 4096 + 100)
     path = tmp_path / "f"
+    pool = _fs.IOBuffers(max_buffers=1)
     fd, _ = _fs._create(str(path), True)
     try:
-        _fs._write(fd, [data[:10], memoryview(data)[10:]], len(data), True)
+        _fs._write(fd, [data[:10], memoryview(data)[10:]], len(data), True, pool)
     finally:
         os.close(fd)
     assert path.read_bytes() == data
@@ -55,6 +80,7 @@ def test_direct_round_trip_through_the_buffer(tmp_path: Path) -> None:
     except OSError as exc:  # pragma: no cover - a file system that refuses even the fallback
         pytest.skip(f"cannot open: {errno.errorcode.get(exc.errno)}")
     try:
-        assert bytes(_fs.read_upto(fd, len(data) + 1)) == data
+        with pool.lease(len(data) + 1) as buf:
+            assert bytes(_fs.read_upto(fd, len(data) + 1, buf)) == data
     finally:
         os.close(fd)
