@@ -14,7 +14,11 @@ message, then the payload in 1 MiB data messages; our 168-byte record header rid
 first data message), the same process. Its put handler keeps the stream's bytes contiguous
 (one join, as PutRecords joins each record's chunks); its get client joins each record's
 chunks (no copy for a one-chunk record). It checks, stores and copies nothing else: those are
-the costs the ratio is about.
+the costs the ratio is about. Its Get serves `records` distinct payload buffers (copies of the
+records' payload made before the rounds), as the store serves distinct records from its pages:
+serving one buffer over and over would read it from the CPU cache, which no real get does
+(until 2026-11-30 the echo did that, and 1 MiB gets read ~64 MiB from DRAM against its ~1 MiB
+from cache).
 
 Rounds run ours and the echo back to back, in alternating order (ours first, then the echo
 first), so drift and order effects cancel; a ratio is the median of the rounds' ratios, and
@@ -53,19 +57,21 @@ ECHO = "/bench.v1.Echo/"
 # ----- the raw echo service --------------------------------------------------------------------
 
 
-def echo_handler(payload: bytes) -> grpc.GenericRpcHandler:
-    """Put: reassemble the chunks (as PutRecords does); Get: stream records of `payload` in chunks
-    (the client joins each record's chunks, as any client must to use the bytes); Lookup: echo
-    the request bytes. No serialisation: handlers see raw bytes."""
+def echo_handler(payloads: dict[int, list[bytes]]) -> grpc.GenericRpcHandler:
+    """Put: reassemble the chunks (as PutRecords does); Get: stream records of `payloads[size]`
+    (distinct buffers, taken in turn) in chunks (the client joins each record's chunks, as any
+    client must to use the bytes); Lookup: echo the request bytes. No serialisation: handlers
+    see raw bytes."""
 
     async def put(request_iterator: AsyncIterator[bytes], context: Any) -> bytes:
         parts = [chunk async for chunk in request_iterator]
         return len(b"".join(parts)).to_bytes(8, "little")
 
     async def get(request: bytes, context: Any) -> AsyncIterator[bytes]:
-        count, size, chunk = struct.unpack("<QQQ", request)
-        view = memoryview(payload)
-        for _ in range(count):
+        first, count, size, chunk = struct.unpack("<QQQQ", request)
+        stored = payloads[size]
+        for i in range(first, first + count):
+            view = memoryview(stored[i % len(stored)])
             yield b"\x00" * 64  # the per-record start message
             for offset in range(0, size, chunk):
                 yield bytes(view[offset:min(size, offset + chunk)])
@@ -80,10 +86,10 @@ def echo_handler(payload: bytes) -> grpc.GenericRpcHandler:
     })
 
 
-async def start_echo(payload: bytes) -> tuple[grpc.aio.Server, int]:
+async def start_echo(payloads: dict[int, list[bytes]]) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    server.add_generic_rpc_handlers((echo_handler(payload),))
+    server.add_generic_rpc_handlers((echo_handler(payloads),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -157,8 +163,8 @@ async def timed(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
     return best
 
 
-async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_bytes: int,
-                       repeats: int) -> dict[str, Any]:
+async def bench_stream(srv: StateStoreServer, echo_port: int, echo_payloads: dict[int, list[bytes]], size: int,
+                       total_bytes: int, repeats: int) -> dict[str, Any]:
     count = max(2, total_bytes // size)
     batch = max(1, min(count, (32 << 20) // size))  # records per call
     records = make_records(srv, size, count, size)
@@ -175,6 +181,7 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_b
             assert all(r is not None for r in got)
 
     payload = records[0].payload
+    echo_payloads[size] = [bytes(bytearray(payload)) for _ in range(count)]  # distinct buffers, as records are
     ch = channel(echo_port)
 
     async def chunks(n: int) -> AsyncIterator[bytes]:
@@ -192,7 +199,7 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_b
         for i in range(0, count, batch):
             n = min(batch, count - i)
             parts: list[bytes] = []
-            async for message in ch.unary_stream(ECHO + "Get")(struct.pack("<QQQ", n, size, CHUNK_BYTES)):
+            async for message in ch.unary_stream(ECHO + "Get")(struct.pack("<QQQQ", i, n, size, CHUNK_BYTES)):
                 if len(message) == 64 and parts:  # the next record starts: join this one, as a client must
                     b"".join(parts)
                     parts = []
@@ -215,6 +222,7 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, size: int, total_b
         for r in records:
             await srv.store.evict(r.key, force=True)
     await ch.close()
+    del echo_payloads[size]
     moved = count * size
     row: dict[str, Any] = {"case": "stream", "record_bytes": size, "records": count}
     for name, runs in times.items():
@@ -238,11 +246,12 @@ async def run(quick: bool, results_name: str = "server") -> None:
                                max_message_bytes=MAX_MESSAGE_BYTES, host_budget_bytes=2 * total + (64 << 20))
         srv = StateStoreServer(config)
         await srv.start()
-        echo, echo_port = await start_echo(os.urandom(max(sizes)))
+        echo_payloads: dict[int, list[bytes]] = {}
+        echo, echo_port = await start_echo(echo_payloads)
         try:
             chain = [struct.pack("<Q", i) + bytes(24) for i in range(16)]
             lookup_rows = await bench_lookup(srv, echo_port, levels, seconds, chain)
-            stream_rows = [await bench_stream(srv, echo_port, size, total, repeats) for size in sizes]
+            stream_rows = [await bench_stream(srv, echo_port, echo_payloads, size, total, repeats) for size in sizes]
         finally:
             await echo.stop(0)
             await srv.stop(0)
