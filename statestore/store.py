@@ -38,7 +38,7 @@ import heapq
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from engine_adapter.base import Retention, StateSpec
 from statestore.policy import LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, required_tier
@@ -315,7 +315,7 @@ class TieredStore:
             token_start=header.token_start, token_end=header.token_end)
         # Scans give headers, not payloads: the copy's bytes are estimated from the stored size.
         stored = header.stored_length or header.raw_length
-        meta = replace(meta, durability=max(meta.durability, TIER_DURABILITY[name]))
+        meta = meta.evolve(durability=max(meta.durability, TIER_DURABILITY[name]))
         self._set_meta(meta.with_copy(name, HEADER_SIZE + stored))
         self._event(EventKind.STORED, header.key, name, "scan")
 
@@ -372,11 +372,13 @@ class TieredStore:
                         prev: StateMeta | None) -> StateMeta:
         now = self._clock()
         h = record.header
-        base = prev or StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), created=now,
-                                 model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id)
-        return replace(base, acked=False, durability=max(durability, base.durability), last_access=now,
-                       size_bytes=record.nbytes, hints=hints or base.hints,
-                       token_start=h.token_start, token_end=h.token_end)
+        if prev is None:
+            return StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), durability=durability,
+                             created=now, last_access=now, hints=hints, model_fingerprint=h.model_fingerprint,
+                             tenant_id=h.tenant_id, token_start=h.token_start, token_end=h.token_end)
+        return prev.evolve(acked=False, durability=max(durability, prev.durability), last_access=now,
+                           size_bytes=record.nbytes, hints=hints or prev.hints,
+                           token_start=h.token_start, token_end=h.token_end)
 
     async def _put_claimed(self, record: Record, durability: Durability, required: TierName,
                            pin: bool, op: _Op) -> PutResult:
@@ -388,7 +390,7 @@ class TieredStore:
             if name in targets and name is not required:
                 await self._place(name, record, op, "put")  # a cache copy: best effort, never waits
         meta = self._index[record.key]
-        meta = replace(meta, acked=True, pinned=meta.pinned or pin)
+        meta = meta.evolve(acked=True, pinned=meta.pinned or pin)
         self._set_meta(meta)
         self._invoker.on_put(meta, meta.tiers)
         return PutResult(record.key, durability, meta.tiers, tuple(op.evicted))
@@ -398,7 +400,7 @@ class TieredStore:
         meta = self._index.get(key)
         if meta is None:
             return
-        meta = replace(meta, acked=True, durability=prev.durability if prev else Durability.MEMORY)
+        meta = meta.evolve(acked=True, durability=prev.durability if prev else Durability.MEMORY)
         if meta.resident:
             self._set_meta(meta)
         else:
@@ -624,7 +626,7 @@ class TieredStore:
     async def _touch(self, meta: StateMeta, source: TierName, record: Record | None) -> None:
         """A hit's bookkeeping, and its promotion when `record` is given (None: no faster tier)."""
         key = meta.key
-        meta = replace(meta, last_access=self._clock(), access_count=meta.access_count + 1)
+        meta = meta.evolve(last_access=self._clock(), access_count=meta.access_count + 1)
         costs = self._costs()  # nothing moves before the promotion decision: one snapshot serves both
         self._set_meta(meta, costs)
         self._invoker.on_access(meta, source)
@@ -682,7 +684,7 @@ class TieredStore:
         meta = self._index.get(key)
         if meta is None:
             return False
-        self._set_meta(replace(meta, pinned=pinned))
+        self._set_meta(meta.evolve(pinned=pinned))
         return True
 
     async def evict(self, key: RecordKey, tiers: Iterable[TierName] | None = None, *,
@@ -786,6 +788,10 @@ class TieredStore:
         """Store the entry and refresh its eviction-queue membership in every tier (`costs`: the
         tiers' costs as they are now, when the caller has them)."""
         self._index[meta.key] = meta
+        if not meta.acked or meta.pinned:  # never evictable (`eviction_block_reason`): in no queue
+            for queue in self._queues.values():
+                queue.remove(meta.key)
+            return
         tiers = meta.tiers
         for name, queue in self._queues.items():
             if name in tiers and eviction_block_reason(meta, name) is None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine_adapter.base import Retention
 from tiers.record import RecordKey
@@ -105,13 +106,29 @@ class StateMeta:
                 return n
         return 0
 
+    def evolve(self, **changes: Any) -> StateMeta:
+        """`dataclasses.replace` at half its cost (no per-call field introspection, no __init__):
+        the store makes several of these per put and get. `changes` must name fields."""
+        new = _new_meta(StateMeta)
+        for name, set_field in _META_SETTERS:
+            set_field(new, changes.pop(name) if name in changes else getattr(self, name))
+        if changes:
+            raise TypeError(f"StateMeta has no fields {sorted(changes)}")
+        return new
+
     def with_copy(self, tier: TierName, nbytes: int) -> StateMeta:
+        if not self.resident:
+            return self.evolve(resident=((tier, nbytes),))
         rest = [(t, n) for t, n in self.resident if t is not tier]
         rest.append((tier, nbytes))
-        return replace(self, resident=tuple(sorted(rest, key=lambda tn: TIER_ORDER.index(tn[0]))))
+        return self.evolve(resident=tuple(sorted(rest, key=lambda tn: TIER_ORDER.index(tn[0]))))
 
     def without_copy(self, tier: TierName) -> StateMeta:
-        return replace(self, resident=tuple((t, n) for t, n in self.resident if t is not tier))
+        return self.evolve(resident=tuple((t, n) for t, n in self.resident if t is not tier))
+
+
+_new_meta = object.__new__
+_META_SETTERS = tuple((name, getattr(StateMeta, name).__set__) for name in StateMeta.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,6 +102,9 @@ class RecordHeader:
     # Set by decode: how the payload was stored (0 when the header was built in memory).
     stored_length: int = 0
     flags: int = 0
+    # kind code + block key: what tiers index by. Computed once here: the put and get paths
+    # ask for it several times per record (the store, the tier, the server).
+    key: RecordKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_len("model fingerprint", self.model_fingerprint, FINGERPRINT_BYTES)
@@ -116,10 +119,7 @@ class RecordHeader:
             raise RecordError("token range or entry count out of bounds")
         if not 0 <= self.raw_length <= MAX_PAYLOAD_BYTES:
             raise RecordError(f"raw payload length {self.raw_length} out of bounds")
-
-    @property
-    def key(self) -> RecordKey:
-        return make_record_key(self.kind, self.block_key)
+        object.__setattr__(self, "key", RecordKey(self.kind.to_bytes(2, "big") + bytes(self.block_key)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +259,7 @@ def decode_header(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
         raise RecordError(f"raw payload length {raw_len} out of bounds")
     header = _new(RecordHeader)
     (set_kind, set_codec, set_fp, set_tenant, set_key, set_parent, set_t0, set_t1, set_entries,
-     set_raw_len, set_created, set_stored_len, set_flags) = _HEADER_SETTERS
+     set_raw_len, set_created, set_stored_len, set_flags, set_record_key) = _HEADER_SETTERS
     set_kind(header, kind)
     set_codec(header, codec)
     set_fp(header, fp)
@@ -273,6 +273,7 @@ def decode_header(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
     set_created(header, created)
     set_stored_len(header, stored_len)
     set_flags(header, flags)
+    set_record_key(header, RecordKey(kind.to_bytes(2, "big") + key))
     return header, checksum
 
 
@@ -282,7 +283,7 @@ _new = object.__new__
 _HEADER_SETTERS = tuple(getattr(RecordHeader, name).__set__ for name in RecordHeader.__dataclass_fields__)
 assert tuple(RecordHeader.__dataclass_fields__) == (
     "kind", "codec", "model_fingerprint", "tenant_id", "block_key", "parent_key", "token_start", "token_end",
-    "entry_count", "raw_length", "created_at_ns", "stored_length", "flags"), "update decode_header's field order"
+    "entry_count", "raw_length", "created_at_ns", "stored_length", "flags", "key"), "update decode_header's field order"
 _RECORD_HEADER_SET = Record.header.__set__  # type: ignore[attr-defined]
 _RECORD_PAYLOAD_SET = Record.payload.__set__  # type: ignore[attr-defined]
 _RECORD_CHECKSUM_SET = Record.checksum.__set__  # type: ignore[attr-defined]
