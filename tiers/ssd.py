@@ -105,10 +105,11 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # behind a write this long; below it the extra thread handoff cost about what it saved
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
-# A single get of a record at least this large returns its payload as a view of the pooled
-# (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`); the
-# buffer is busy until the caller drops the payload. Below it a view would pin a 2 MiB buffer
-# per small record held, and the copy costs little.
+# A get (or get_many) of a record at least this large returns its payload as a view of the
+# pooled (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`);
+# the buffer is busy until the caller drops the payload (a batch maps one per record held, as
+# a copy would allocate one). Below it a view would pin a 2 MiB buffer per small record held,
+# and the copy costs little.
 LEND_MIN_BYTES = 1 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
@@ -356,14 +357,13 @@ class _ReadResult:
     error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
-def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool]], buffers: _fs.IOBuffers) -> list[_ReadResult]:
-    """Worker thread: read and fully verify each file (one read each); never raises per file.
-    Each payload is copied out (a batch would hold a pool buffer per record)."""
-    return [_read_record(path, key, file_bytes, direct, buffers) for path, key, file_bytes, direct in jobs]
+def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffers: _fs.IOBuffers) -> list[_ReadResult]:
+    """Worker thread: `_read_record` for each (path, key, file size, direct, lend); never raises per file."""
+    return [_read_record(path, key, file_bytes, direct, lend, buffers) for path, key, file_bytes, direct, lend in jobs]
 
 
-def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
-                 lend: bool = False) -> _ReadResult:
+def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend: bool,
+                 buffers: _fs.IOBuffers) -> _ReadResult:
     """One open, one read of the indexed size (+1 byte: a grown file shows as too long)
     into an aligned buffer of `buffers`, verified there. The payload is copied out, or with
     `lend` is a read-only view of the buffer, which goes back to the pool once the caller
@@ -890,14 +890,17 @@ class SSDTier(Tier):
         if entry is None:
             return None
         path = self._layout.path_str(key)
-        direct = self._read_direct(entry)
-        lend = direct and entry.file_bytes >= LEND_MIN_BYTES
-        result = await self._run(_read_record, path, key, entry.file_bytes, direct, self._buffers, lend)
+        result = await self._run(_read_record, path, key, entry.file_bytes, *self._read_mode(entry), self._buffers)
         return result.record if result.record is not None else await self._finish_get(key, path, result)
 
     def _read_direct(self, entry: _Entry) -> bool:
         limit = self._direct_io_min_bytes
         return limit is not None and entry.file_bytes >= limit
+
+    def _read_mode(self, entry: _Entry) -> tuple[bool, bool]:
+        """(O_DIRECT, lend the read buffer as the payload) for a read of `entry`."""
+        direct = self._read_direct(entry)
+        return direct, direct and entry.file_bytes >= LEND_MIN_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """Reads split over `max_concurrency` worker threads, one thread hop per share."""
@@ -907,7 +910,7 @@ class SSDTier(Tier):
         out: list[Record | None] = [None] * len(keys)
         shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
         results = await asyncio.gather(*(
-            self._run(_read_records, [(p, k, e.file_bytes, self._read_direct(e)) for _, p, k, e in share], self._buffers)
+            self._run(_read_records, [(p, k, e.file_bytes, *self._read_mode(e)) for _, p, k, e in share], self._buffers)
             for share in shares))
         for share, share_results in zip(shares, results):
             for (i, path, key, _), result in zip(share, share_results):

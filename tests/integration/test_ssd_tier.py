@@ -731,6 +731,12 @@ async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path,
         assert ctypes.addressof(again.payload.obj) in (in_use, other_buffer)  # reused, not a new map
         assert_same(again, big[2])
         assert isinstance((await tier.get(small.key)).payload, bytes)
+        del again
+        many = await tier.get_many([r.key for r in big] + [small.key])  # a batch: one buffer per large record
+        assert [isinstance(g.payload, memoryview) for g in many] == [True, True, True, False]
+        assert len({ctypes.addressof(g.payload.obj) for g in many[:3]}) == 3
+        for g, want in zip(many, [*big, small]):
+            assert_same(g, want)
     finally:
         await tier.aclose()
         if where == "tmpfs":
