@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import errno
 import hashlib
 import logging
 import os
@@ -758,5 +759,30 @@ async def test_large_get_of_a_corrupt_record_is_a_miss_and_quarantined(tmp_path:
             os.fsync(f.fileno())
         assert await tier.get(bad.key) is None
         assert not path.exists() and await tier.contains([bad.key]) == [False]
+    finally:
+        await tier.aclose()
+
+
+async def test_a_file_system_refusing_o_direct_gets_buffered_io(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where open(O_DIRECT) fails with EINVAL (tmpfs before Linux 6.6, some overlays), puts and
+    gets of large records go buffered, through the same pooled buffers, bit-exact."""
+    real_open = os.open
+    refused: list[str] = []
+
+    def open_without_direct(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, "O_DIRECT refused", str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", open_without_direct)
+    tier = await SSDTier.create(tmp_path / "ssd")
+    try:
+        records = [rec(1, 300_000), rec(2, 2 * LEND_MIN_BYTES + 5)]
+        assert await tier.put_many(records) == [True, True]
+        for r in records:
+            assert_same(await tier.get(r.key), r)
+        assert len(refused) >= 4  # two writes and two reads asked for O_DIRECT
     finally:
         await tier.aclose()
