@@ -385,6 +385,7 @@ def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend:
 
 
 def _read_verified(fd: int, key: RecordKey, file_bytes: int, buf: memoryview, keep_view: bool) -> _ReadResult:
+    """Read `fd` into `buf` and verify it there; `keep_view`: the payload is a view of `buf`."""
     try:
         data = _fs.read_upto(fd, file_bytes + 1, buf)
     except OSError as exc:
@@ -899,8 +900,7 @@ class SSDTier(Tier):
 
     def _read_mode(self, entry: _Entry) -> tuple[bool, bool]:
         """(O_DIRECT, lend the read buffer as the payload) for a read of `entry`."""
-        direct = self._read_direct(entry)
-        return direct, direct and entry.file_bytes >= LEND_MIN_BYTES
+        return self._read_direct(entry), entry.file_bytes >= LEND_MIN_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """Reads split over `max_concurrency` worker threads, one thread hop per share."""
