@@ -34,7 +34,6 @@ import heapq
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
@@ -124,7 +123,7 @@ class SlotPool:
 
 
 class _Resident(NamedTuple):
-    """An index entry (a tuple: `load_from` builds a batch of them with one C-level map)."""
+    """An index entry (the pinned host tier's, which `HbmTier.load_from` indexes as they are)."""
 
     header: bytes  # encoded header with the payload checksum (host memory, counted as overhead)
     kind: int
@@ -224,7 +223,12 @@ class HbmTier(Tier):
         self.pools = {k: SlotPool(page_sizes[k], n, self.device, materialize=materialize)
                       for k, n in num_slots.items()}
         self.materialize = materialize
+        # key -> its entry (header, kind, length, verified) and, apart, its slots in this tier:
+        # `load_from` indexes the host tier's own entries (the same header and length) with one
+        # C-level update, so an entry's `slot_ids` are those of the tier that made it, and
+        # `_slots` (an int for the usual one-page record) is where it lives here.
         self._index: dict[RecordKey, _Resident] = {}
+        self._slots: dict[RecordKey, int | tuple[int, ...]] = {}
         self._tally: dict[int, list[int]] = {}  # kind -> [records, payload bytes, footprint bytes]
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda and materialize else None
@@ -303,17 +307,17 @@ class HbmTier(Tier):
         entry = self._index.pop(key, None)
         if entry is None:
             return False
+        ids = _as_tuple(self._slots.pop(key))
         pool = self.pools[entry.kind]
-        pool.free(entry.slot_ids)
-        self._count(entry.kind, entry.payload_len,
-                    len(entry.slot_ids) * pool.page_bytes + record_overhead_bytes(len(entry.slot_ids)), -1)
+        pool.free(ids)
+        self._count(entry.kind, entry.payload_len, len(ids) * pool.page_bytes + record_overhead_bytes(len(ids)), -1)
         return True
 
     # ----- device access -----------------------------------------------------------------------
 
     def slot_ids(self, key: RecordKey) -> tuple[int, ...] | None:
-        entry = self._index.get(key)
-        return None if entry is None else entry.slot_ids
+        slots = self._slots.get(key)
+        return None if slots is None else _as_tuple(slots)
 
     def payload_tensor(self, key: RecordKey) -> torch.Tensor:
         """The record's payload as a uint8 device tensor (a view when it fits one page)."""
@@ -321,7 +325,7 @@ class HbmTier(Tier):
         pool = self.pools[entry.kind]
         if pool.tensor is None:
             raise RuntimeError("accounting-only hbm tier: pages hold no memory")
-        ids = entry.slot_ids
+        ids = _as_tuple(self._slots[key])
         if len(ids) == 1:
             return pool.tensor[ids[0], : entry.payload_len]
         return pool.tensor[list(ids)].reshape(-1)[: entry.payload_len]
@@ -360,6 +364,7 @@ class HbmTier(Tier):
             header = encode_header(record.header, stored_length=len(record.payload), flags=0,
                                    checksum=sums[i] if checksums else 0)
             self._index[record.key] = _Resident(header, record.header.kind, ids, len(record.payload), checksums)
+            self._slots[record.key] = ids[0] if len(ids) == 1 else ids
             pool = self.pools[record.header.kind]
             self._count(record.header.kind, len(record.payload),
                         len(ids) * pool.page_bytes + record_overhead_bytes(len(ids)), +1)
@@ -408,36 +413,36 @@ class HbmTier(Tier):
         if ids is None:
             return False
         self._issue_copies(src_pool, dst_pool, _slot_runs(src_ids, ids))
-        # bookkeeping while the copy flies: one index update and one tally update
-        index, page = self._index, dst_pool.page_bytes
+        # bookkeeping while the copy flies: C-level updates of the index (the host's entries: same
+        # header, kind, length) and of the slot map, one tally update
+        index, slots, page = self._index, self._slots, dst_pool.page_bytes
         batch_keys = list(keys[pos.start: pos.stop]) if is_range else [keys[i] for i in pos]
-        unique = set(batch_keys)
-        if not index.keys().isdisjoint(unique):  # replaced records give their pages back first
-            for key in unique:
-                if key in index:
-                    self._drop(key)
+        if not index.keys().isdisjoint(batch_keys):  # replaced records give their pages back first
+            for key in batch_keys:
+                self._drop(key)
         if single:
-            slot_tuples = list(zip(ids))
+            here: list[int] | list[tuple[int, ...]] = ids
             footprint = len(items) * (page + record_overhead_bytes(1))
         else:
-            slot_tuples, at = [], 0
+            here, at = [], 0
             for t in slot_lists:
-                slot_tuples.append(tuple(ids[at: at + len(t)]))
+                here.append(tuple(ids[at: at + len(t)]))
                 at += len(t)
-            footprint = sum(len(t) * page + record_overhead_bytes(len(t)) for t in slot_tuples)
-        payload_lens = list(map(_PAYLOAD_LEN, items))
-        residents = map(_new_resident, zip(map(_HEADER, items), repeat(kind), slot_tuples, payload_lens,
-                                           map(_VERIFIED, items)))
-        if len(unique) == len(batch_keys):
-            index.update(zip(batch_keys, residents))
+            footprint = sum(len(t) * page + record_overhead_bytes(len(t)) for t in here)
+        before = len(index)
+        index.update(zip(batch_keys, items))
+        slots.update(zip(batch_keys, here))
+        if len(index) - before == len(batch_keys):
             t = self._tally.setdefault(kind, [0, 0, 0])
-            t[0], t[1], t[2] = t[0] + len(items), t[1] + sum(payload_lens), t[2] + footprint
-        else:  # a key twice in one chunk: the later copy wins and the earlier one's pages are freed
-            for key, resident in zip(batch_keys, residents):
-                self._drop(key)
-                index[key] = resident
-                n = len(resident.slot_ids)
-                self._count(kind, resident.payload_len, n * page + record_overhead_bytes(n), +1)
+            t[0], t[1], t[2] = t[0] + len(items), t[1] + sum(map(_PAYLOAD_LEN, items)), t[2] + footprint
+        else:  # a key twice in this chunk: the later copy is indexed, the earlier ones' pages are freed
+            last = {key: j for j, key in enumerate(batch_keys)}
+            for j, key in enumerate(batch_keys):
+                n = 1 if single else len(here[j])
+                if last[key] != j:
+                    dst_pool.free(_as_tuple(here[j]))
+                else:
+                    self._count(kind, items[j].payload_len, n * page + record_overhead_bytes(n), +1)
         return True
 
     def _copy_stream(self) -> AbstractContextManager[object]:
@@ -551,12 +556,9 @@ class HbmTier(Tier):
 
 
 _FIRST = itemgetter(0)
-_new_resident = partial(tuple.__new__, _Resident)  # C-level construction (NamedTuple.__new__ is a Python frame)
 _KIND = attrgetter("kind")
 _SLOTS = attrgetter("slot_ids")
-_HEADER = attrgetter("header")
 _PAYLOAD_LEN = attrgetter("payload_len")
-_VERIFIED = attrgetter("verified")
 
 
 def _group_by_kind(found: list[_Resident | None], pools: Mapping[int, SlotPool]) -> list[tuple[int, range | list[int]]]:
@@ -581,6 +583,10 @@ def _group_by_kind(found: list[_Resident | None], pools: Mapping[int, SlotPool])
         if e is not None and e.kind in pools:
             lists.setdefault(e.kind, []).append(i)
     return list(lists.items())
+
+
+def _as_tuple(slots: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (slots,) if isinstance(slots, int) else slots
 
 
 def _pipeline_chunks(pos: range | list[int]) -> Iterator[range | list[int]]:

@@ -173,3 +173,22 @@ def test_load_from_short_of_slots_loads_whole_chunks_and_says_which() -> None:
         assert asyncio.run(tier.get(r.key)).payload == r.payload
     assert asyncio.run(tier.contains([r.key for r in recs[fit:]])) == [False] * (n - fit)
     assert tier.usage().by_kind[GLOBAL].num_records == fit and tier.pools[GLOBAL].num_free_slots == 2
+
+
+def test_load_from_a_key_twice_in_one_chunk_is_held_once() -> None:
+    """The same key twice in one chunk: one record held (bit-exact), the earlier copy's page
+    given back, and the accounting that of the records held."""
+    from tiers.hbm import PinnedHostTier
+    from tiers.host import HostTier
+
+    host = PinnedHostTier(HostTier(1 << 20), {GLOBAL: 100, INDEX: 40}, {GLOBAL: 8, INDEX: 8}, pin=False)
+    a, b = _record(GLOBAL, 100, 1, 1), _record(GLOBAL, 100, 2, 2)
+    for r in (a, b):
+        assert asyncio.run(host.put(r))
+    tier = _tier(slots=6)
+    events = tier.load_from(host, [a.key, b.key, a.key])
+    assert all(e is not None for e in events)
+    assert asyncio.run(tier.get(a.key)).payload == a.payload and asyncio.run(tier.get(b.key)).payload == b.payload
+    assert tier.usage().by_kind[GLOBAL].num_records == 2 and tier.pools[GLOBAL].num_free_slots == 4
+    assert tier.usage().by_kind[GLOBAL].resident_bytes == 2 * (100 + record_overhead_bytes(1))
+    assert asyncio.run(tier.delete(a.key)) and tier.pools[GLOBAL].num_free_slots == 5
