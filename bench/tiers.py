@@ -41,9 +41,10 @@ slower on the development VM, and both 2.3-2.5x the tier without spares).
 
 The process runs with the allocator setting of the service the tiers live in
 (`statestore.allocator.keep_large_buffers_in_heap`, applied by `StateStoreServer.start`):
-a get returns a fresh payload buffer, and without it glibc maps (and faults in, 256 pages
-per MiB) a new one for every large record, which cost a 1 MiB SSD get ~0.5 ms on top of its
-~1.2 ms read on the development VM. The references allocate nothing per operation, so the
+a get returns a fresh payload buffer (below 1 MiB for SSD gets: from 1 MiB up the payload is a
+view of the tier's pooled read buffer, `tiers.ssd.LEND_MIN_BYTES`), and without it glibc maps
+(and faults in, 256 pages per MiB) a new one for every large record, which cost a 1 MiB SSD get
+~0.5 ms on top of its ~1.2 ms read on the development VM. The references allocate nothing per operation, so the
 setting only makes the tiers' own allocations what they are in the service.
 
 Also measured: zstd levels 1 and 3 on real FP4 payloads (E2M1 codes + E4M3 scales of
