@@ -30,7 +30,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +61,7 @@ from tiers.record import (
     Record,
     RecordError,
     make_record_key,
+    with_tenant,
 )
 
 logger = logging.getLogger(__name__)
@@ -548,8 +548,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         existing = self._store.meta(record.key)
         if existing is not None and existing.tenant_id != tid:
             raise _Denied(f"record {i}: key {record.key.hex()} belongs to another tenant")
-        header = replace(h, tenant_id=tid, stored_length=0, flags=0)
-        return Record(header, record.payload, record.checksum), start, durability  # checksum: verified above
+        return Record(with_tenant(h, tid), record.payload, record.checksum), start, durability  # checksum: verified
 
     @_streaming
     async def GetRecords(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:

@@ -277,10 +277,28 @@ def decode_header(buf: bytes | memoryview) -> tuple[RecordHeader, int]:
     return header, checksum
 
 
+def with_tenant(header: RecordHeader, tenant_id: bytes) -> RecordHeader:
+    """`header` for tenant `tenant_id`, as built in memory (stored_length and flags 0): what a
+    server stamps on a record it received and verified. A copy by slot setters: the fields of
+    a header already passed `__post_init__`'s checks, so only the new tenant id is checked."""
+    _check_len("tenant id", tenant_id, TENANT_BYTES)
+    new = _new(RecordHeader)
+    for name, set_field in _NAMED_SETTERS:
+        set_field(new, getattr(header, name))
+    _SET_TENANT(new, tenant_id)
+    _SET_STORED_LENGTH(new, 0)
+    _SET_FLAGS(new, 0)
+    return new
+
+
 # RecordHeader's slot setters in field order: decode_header fills a header it has already
 # validated without the frozen dataclass's __init__ and __post_init__.
 _new = object.__new__
 _HEADER_SETTERS = tuple(getattr(RecordHeader, name).__set__ for name in RecordHeader.__dataclass_fields__)
+_NAMED_SETTERS = tuple(zip(RecordHeader.__dataclass_fields__, _HEADER_SETTERS))
+_SET_TENANT = RecordHeader.tenant_id.__set__  # type: ignore[attr-defined]
+_SET_STORED_LENGTH = RecordHeader.stored_length.__set__  # type: ignore[attr-defined]
+_SET_FLAGS = RecordHeader.flags.__set__  # type: ignore[attr-defined]
 assert tuple(RecordHeader.__dataclass_fields__) == (
     "kind", "codec", "model_fingerprint", "tenant_id", "block_key", "parent_key", "token_start", "token_end",
     "entry_count", "raw_length", "created_at_ns", "stored_length", "flags", "key"), "update decode_header's field order"

@@ -247,3 +247,18 @@ def test_a_wrong_carried_checksum_is_caught_by_the_next_read() -> None:
     assert asyncio.run(tier.put(good))
     got = asyncio.run(tier.get(good.key))
     assert got is not None and got.payload == good.payload and got.checksum == xxhash.xxh3_64_intdigest(good.payload)
+
+
+@given(st.binary(min_size=16, max_size=16), st.binary(min_size=16, max_size=16), st.integers(0, 1 << 20))
+def test_with_tenant_is_replace_without_the_checks_already_made(old: bytes, new: bytes, stored: int) -> None:
+    """with_tenant(h, t) == replace(h, tenant_id=t, stored_length=0, flags=0), key included; a
+    tenant id of the wrong length is refused as the constructor refuses it."""
+    from tiers.record import with_tenant
+
+    h = dataclasses.replace(make_record(3, 1, b"x" * 40, model_fingerprint=FINGERPRINT, tenant_id=old,
+                                        block_key=BLOCK_KEY, token_start=5, token_end=9).header,
+                            stored_length=stored, flags=0)
+    got = with_tenant(h, new)
+    assert got == dataclasses.replace(h, tenant_id=new, stored_length=0, flags=0) and got.key == h.key
+    with pytest.raises(RecordError, match="tenant id"):
+        with_tenant(h, new[:15])
