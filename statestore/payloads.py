@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 MAX_GET_KEYS = 4096  # the server's key limit per GetRecords
 COPY_OFF_LOOP_BYTES = 1 << 20
+# Copies that are also hashed go in blocks this large, each hashed while in cache (a 32 MiB
+# chunk through shm: ~2.2 ms fused against 2.7-4.5 ms copy-then-hash on the development VM).
+HASH_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +121,22 @@ def put_frames(encoded_header: bytes, parts: Sequence[Buffer], step: int) -> Ite
 
 
 def _copy_into_slot(buf: Any, offset: int, item: PayloadPut) -> None:
-    """The encoded record (header with its checksum, then the parts) into its shm slot."""
+    """The encoded record into its shm slot: the parts copied in blocks, each hashed right
+    after its copy (still in cache: one pass over memory instead of two), then the header with
+    that checksum."""
     view = memoryview(buf)
     try:
-        view[offset:offset + HEADER_SIZE] = item.encode_header()
+        hasher = xxhash.xxh3_64()
         at = offset + HEADER_SIZE
         for part in item.parts:
             flat = _flat(part)
-            view[at:at + len(flat)] = flat
-            at += len(flat)
+            for start in range(0, len(flat), HASH_BLOCK_BYTES):
+                block = flat[start:start + HASH_BLOCK_BYTES]
+                view[at:at + len(block)] = block
+                hasher.update(block)
+                at += len(block)
+        view[offset:offset + HEADER_SIZE] = encode_header(item.header, stored_length=item.header.raw_length, flags=0,
+                                                          checksum=hasher.intdigest())
     finally:
         view.release()
 
@@ -202,8 +212,11 @@ class _Incoming:
         self.filled = end
 
     def fill_from_slot(self, slot: memoryview, skip_bytes: int) -> None:
-        """The whole rest of the record from its shm slot (worker thread for large ones)."""
-        self._fill(slot[skip_bytes:])
+        """The whole rest of the record from its shm slot (worker thread for large ones), in
+        blocks: each is hashed right after its copy, while still in cache."""
+        rest = slot[skip_bytes:]
+        for start in range(0, len(rest), HASH_BLOCK_BYTES):
+            self._fill(rest[start:start + HASH_BLOCK_BYTES])
 
     def finish(self) -> bool:
         if self.failed is None:
