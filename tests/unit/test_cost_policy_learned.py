@@ -76,6 +76,36 @@ def test_reuse_is_learned_per_chain_context_and_shrunk_towards_the_count_only_od
     assert table[1, inner][1] == 300 and table[1, tail][1] == 300
 
 
+def test_a_rare_context_borrows_from_its_position_in_the_chain_before_the_count_only_odds() -> None:
+    est = ReuseEstimator()
+    for i in range(300):  # inside chains of 40-45 blocks a read comes back; a chain's last block never
+        k_in, k_tail = b"i" + i.to_bytes(4, "big"), b"t" + i.to_bytes(4, "big")
+        est.observe(k_in, ALICE, float(i), chain_context(40, 5))
+        est.observe(k_tail, ALICE, float(i), chain_context(40, 39))
+        est.observe(k_in, ALICE, i + 10.0, chain_context(40, 5))
+    est.observe(b"later", ALICE, 2000.0)
+    base = est.p_next(ALICE, 1)
+    # Never seen: the tail of a 100-block chain, and of a 5-block one. Both are tails.
+    assert est.p_next(ALICE, 1, chain_context(100, 99)) < base / 3
+    assert est.p_next(ALICE, 1, chain_context(5, 4)) < base / 3
+    # An inner block of an unseen length: its position says "inside", which came back.
+    assert est.p_next(ALICE, 1, chain_context(100, 10)) > base
+
+
+def test_an_access_count_without_evidence_borrows_from_the_count_below() -> None:
+    est = ReuseEstimator()
+    for i in range(40):  # every block is read three times, 5 s apart, within 50 s
+        k = i.to_bytes(4, "big")
+        for t in (0.0, 5.0, 10.0):
+            est.observe(k, ALICE, i + t)
+    # No third read has resolved yet (the resolve time is at least 60 s): P(next | 3 reads) is
+    # P(next | 2 reads) so far, not the 0.5 prior.
+    assert est.p_next(ALICE, 2) > 0.95 and est.p_next(ALICE, 3) > 0.9
+    est.observe(b"later", ALICE, 2000.0)  # now the third reads have resolved: none went on
+    # 40 failures against the 8 pseudo-counts borrowed from P(next | 2 reads): 8 / 48
+    assert est.p_next(ALICE, 2) > 0.95 > 0.2 > est.p_next(ALICE, 3)
+
+
 # ----- decisions --------------------------------------------------------------------------------------
 
 def trained_policy() -> CostAwarePolicy:
