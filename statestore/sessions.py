@@ -115,10 +115,11 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, payload: bytes) -> Manifest:
-        """Parse and validate; a malformed manifest raises ValueError naming the field."""
+    def from_bytes(cls, payload: bytes | memoryview) -> Manifest:
+        """Parse and validate; a malformed manifest raises ValueError naming the field. (A tier may
+        hand back a large payload as a read-only view, which json.loads does not take.)"""
         try:
-            doc = json.loads(payload)
+            doc = json.loads(bytes(payload) if isinstance(payload, memoryview) else payload)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"manifest is not JSON: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
