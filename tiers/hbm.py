@@ -136,8 +136,8 @@ class _DriverH2D:
     """Host-to-device copies issued with the driver's `cuMemcpyHtoDAsync` through ctypes.
 
     Why: on the H200's host a torch `dst[a:b].copy_(src[c:d], non_blocking=True)` costs
-    10-20 µs of Python and dispatch (two slices, a dispatcher pass, the current stream), where
-    the driver call costs ~1 µs; a 4K-token checkpoint (3.6 MB) is ~80 µs on the link, so those
+    ~15 µs of Python and dispatch (two slices, a dispatcher pass) plus ~9 µs to make the tier's
+    stream current, where the driver call through ctypes costs ~3 µs; a 4K-token checkpoint (3.6 MB) is ~80 µs on the link, so those
     microseconds are what separates `load_from` from one plain copy. Only for sources in pinned
     pools (page-locked by torch's pinned allocator); a call the driver refuses (for instance
     from a thread without the device's context current) returns False and the caller copies
