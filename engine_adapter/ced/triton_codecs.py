@@ -440,23 +440,59 @@ if triton is not None:
     _dequantize_v5_kernel = _dequantize_v3_kernel
     _gather_dequantize_v5_kernel = _gather_dequantize_v3_kernel
 
+    @triton.jit
+    def _quantize_v6_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
+                            D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+        """v5 with each scale block loaded as its two halves, two [blocks, BS/2] loads of one
+        layout joined into [blocks, BS/2, 2]: a thread holds whole blocks (for BS = 16 bf16, two
+        16-byte loads), so the block max needs no shuffle and the per-block scale math runs once
+        per block. v5's [blocks, BS] tile spread a block over two threads, which both ran it."""
+        NB: tl.constexpr = D // BS
+        NBLK: tl.constexpr = ROWS * NB
+        H: tl.constexpr = BS // 2
+        blk = tl.program_id(0).to(tl.int64) * NBLK + tl.arange(0, NBLK)
+        valid = (blk // NB) < n_rows
+        src = x_ptr + blk[:, None] * BS + tl.arange(0, H)[None, :]
+        x = tl.join(tl.load(src, mask=valid[:, None], other=0.0),
+                    tl.load(src + H, mask=valid[:, None], other=0.0)).to(tl.float32)  # [NBLK, H, 2]
+        amax = tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)  # [NBLK]
+        if E4M3:
+            byte, scale = _scale_e4m3(amax)
+            t = _div_rn_by_block(x, (scale * 0.25)[:, None, None])
+        else:
+            byte = _scale_e8m0(amax)
+            t = _div_pow2(x, byte[:, None, None])
+        first, second = tl.split(_e2m1_codes_v5(t))  # the block's values 0..H-1 and H..BS-1
+        nan_block = (amax != amax) if E4M3 else (byte == 255)
+        dst = codes_ptr + blk[:, None] * (BS // 2) + tl.arange(0, H // 2)[None, :]
+        lo, hi = tl.split(tl.reshape(first, [NBLK, H // 2, 2]))
+        tl.store(dst, tl.where(nan_block[:, None], 0, lo + hi * 16).to(tl.uint8), mask=valid[:, None])
+        lo, hi = tl.split(tl.reshape(second, [NBLK, H // 2, 2]))
+        tl.store(dst + H // 2, tl.where(nan_block[:, None], 0, lo + hi * 16).to(tl.uint8), mask=valid[:, None])
+        tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
+
+    _dequantize_v6_kernel = _dequantize_v3_kernel
+    _gather_dequantize_v6_kernel = _gather_dequantize_v3_kernel
+
 # ---------------------------------------------------------------------------------------------
 # Wrappers: same signatures and results as the codecs.py functions of the same names.
 
 
 # Kernel variant and launch shape per op: "v1" (4-D tiles), "v2" (2-D tiles, cheaper encode),
 # "v3" (v2 + one division per block for E4M3; decoders read each packed byte once), "v5" (quantize
-# over [blocks, BS] tiles with the FMA-pipe encoder `_e2m1_codes_v5`; v3's decoders), values per
-# program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); every variant gives
-# the same bits (tests/gpu runs all of them, and v3 and v5 against v2 exhaustively over
-# bf16 inputs). Defaults: near the sweep's winners on the H200, 2026-11-29
-# (bench/results/gpu_report-cuda.json): v5 quantize at 2,048 values / 2 warps (main 1.59 -> 1.22 ms,
-# index 1.22 -> 0.98 ms), v3 dequantize and gather at 2,048 / 2 (main dequantize 1.03 -> 0.85 ms).
+# over [blocks, BS] tiles with the FMA-pipe encoder `_e2m1_codes_v5`; v3's decoders), "v6" (v5 with
+# a thread holding whole blocks: the per-block scale math once per block, not once per thread of
+# it), values per program and warps. bench.gpu_report sweeps them on the H200 (`set_config`); every
+# variant gives the same bits (tests/gpu runs all of them, and v3, v5 and v6 against v2
+# exhaustively over bf16 inputs). Defaults: near the sweep's winners on the H200, 2026-11-30
+# (bench/results/gpu_report-cuda.json): v6 quantize at 2,048 values / 2 warps (main 1.22 ms with v5
+# -> 0.96 ms, index 0.96 -> 0.86 ms), v3 dequantize and gather at 2,048 / 2 (main dequantize
+# 1.03 -> 0.85 ms against v2).
 _OPS = ("quantize", "dequantize", "gather_dequantize")
-_CONFIG = {"quantize": {"variant": "v5", "elems": 2048, "num_warps": 2},
+_CONFIG = {"quantize": {"variant": "v6", "elems": 2048, "num_warps": 2},
            "dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2},
            "gather_dequantize": {"variant": "v3", "elems": 2048, "num_warps": 2}}
-VARIANTS = ("v1", "v2", "v3", "v5")  # v4 (v5 with a select-based encoder) lost to v5 on every op
+VARIANTS = ("v1", "v2", "v3", "v5", "v6")  # v4 (v5 with a select-based encoder) lost to v5 on every op
 
 
 def set_config(variant: str | None = None, elems: int | None = None, num_warps: int | None = None, *,

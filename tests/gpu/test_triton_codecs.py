@@ -23,7 +23,7 @@ pytestmark = [
 ROWS = 4096 if DEVICE == "cuda" else 48
 
 
-@pytest.fixture(autouse=True, params=["v1", "v2", "v3", "v5"])
+@pytest.fixture(autouse=True, params=["v1", "v2", "v3", "v5", "v6"])
 def variant(request: pytest.FixtureRequest):
     """Every test runs against both kernel variants (they must give the same bits)."""
     saved = tc.set_config(request.param)
@@ -141,12 +141,12 @@ def test_v3_blockwise_division_equals_div_rn_exhaustively() -> None:
     for inp in (x, y):
         for quant, block in ((tc.quantize_fp4_e4m3, 16), (tc.quantize_fp4_e8m0, 32)):
             results = {}
-            for variant in ("v2", "v3", "v5"):
+            for variant in ("v2", "v3", "v5", "v6"):
                 saved = tc.set_config(variant, op="quantize")
                 try:
                     results[variant] = quant(inp, block)
                 finally:
                     tc.restore_config(saved)
-            for v in ("v3", "v5"):
+            for v in ("v3", "v5", "v6"):
                 assert _same(results[v].codes, results["v2"].codes), (v, block)
                 assert _same(results[v].scales, results["v2"].scales), (v, block)
