@@ -26,7 +26,7 @@ import grpc
 from proto.statestore.v1 import common_pb2, sessions_pb2, sessions_pb2_grpc, statestore_pb2, statestore_pb2_grpc
 from statestore.payloads import PayloadPut, PayloadSink, PayloadTransport, StartInfo
 from statestore.types import Durability
-from statestore.wire import encoded_size, join_parts_off_loop, record_frames, split_data_frame
+from statestore.wire import PartsChecksum, encoded_size, join_parts_off_loop, record_frames, split_data_frame
 from tiers.record import TENANT_BYTES, Record, RecordHeader
 
 DEFAULT_CHUNK_BYTES = 512 << 10
@@ -348,27 +348,30 @@ class StateStoreClient:
         out: list[Record | None] = []
         pending: tuple[bytes, int] | None = None
         parts: list[bytes | memoryview] = []
+        summed = PartsChecksum()  # a multi-part record is hashed part by part as it arrives
         try:
             async for frame in call:
                 data = split_data_frame(frame)
-                if data is not None:
-                    parts.append(data)
-                    continue
-                chunk = common_pb2.RecordChunk.FromString(frame)
-                if chunk.WhichOneof("part") == "start":
-                    if pending is not None:
-                        out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0], keep_view=True))
-                    pending, parts = None, []
-                    if chunk.start.found:
-                        pending = (bytes(chunk.start.key), chunk.start.total_bytes)
-                    else:
-                        out.append(None)
-                else:
-                    parts.append(chunk.data)
+                if data is None:
+                    chunk = common_pb2.RecordChunk.FromString(frame)
+                    if chunk.WhichOneof("part") == "start":
+                        if pending is not None:
+                            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0],
+                                                                 keep_view=True, payload_sum=summed.value()))
+                        pending, parts, summed = None, [], PartsChecksum()
+                        if chunk.start.found:
+                            pending = (bytes(chunk.start.key), chunk.start.total_bytes)
+                        else:
+                            out.append(None)
+                        continue
+                    data = chunk.data
+                parts.append(data)
+                summed.add(parts)
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or "", "GetRecords") from None
         if pending is not None:
-            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0], keep_view=True))
+            out.append(await join_parts_off_loop(parts, pending[1], expect_key=pending[0], keep_view=True,
+                                                 payload_sum=summed.value()))
         return out
 
     # ----- opaque payloads from and into the caller's buffers (statestore/payloads.py) ------------

@@ -52,7 +52,8 @@ from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.shm import (ATTACHED, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable, ShmWindow, slot_views,
                             write_slot)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
-from statestore.wire import encoded_size, frame_slices, join_parts_off_loop, record_frames, split_data_frame
+from statestore.wire import (PartsChecksum, encoded_size, frame_slices, join_parts_off_loop, record_frames,
+                             split_data_frame)
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
 from tiers.record import (
     HEADER_SIZE,
@@ -278,6 +279,8 @@ class _Reassembler:
         self._max_record, self._max_stream = max_record_bytes, max_stream_bytes
         self._data_in_shm = data_in_shm  # the stream carries starts only (statestore/shm.py)
         self.done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]] = []
+        self.sums: list[int | None] = []  # per done record: its payload's xxh3 taken part by part, if it came in parts
+        self._summed = PartsChecksum()
         self._start: common_pb2.RecordStart | None = None
         self._parts: list[bytes | memoryview] = []
         self._received = 0
@@ -330,6 +333,7 @@ class _Reassembler:
         if self._received + len(data) > self._start.total_bytes:
             raise _BadField(f"{self._where}: data exceeds start.total_bytes {self._start.total_bytes}")
         self._parts.append(data)
+        self._summed.add(self._parts)  # hashed while the part's bytes are in cache
         self._received += len(data)
 
     def _finish(self) -> None:
@@ -339,7 +343,8 @@ class _Reassembler:
             raise _BadField(f"record {len(self.done)}: stream ended after {self._received} of "
                             f"start.total_bytes {self._start.total_bytes} bytes")
         self.done.append((self._start, self._parts))
-        self._start, self._parts, self._received = None, [], 0
+        self.sums.append(self._summed.value())
+        self._start, self._parts, self._received, self._summed = None, [], 0, PartsChecksum()
 
     def records(self) -> list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]:
         self._finish()
@@ -459,10 +464,10 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         async for frame in request_iterator:
             assembler.feed_frame(frame)
             if window is None:
-                await self._verify_done(assembler.done, verified, tid)
+                await self._verify_done(assembler.done, assembler.sums, verified, tid)
         parts = assembler.records()
         if window is None:
-            await self._verify_done(parts, verified, tid, final=True)
+            await self._verify_done(parts, assembler.sums, verified, tid, final=True)
         else:  # the bytes are in the client's window: views, copied once by _verify
             try:
                 views = slot_views(owner.shm.buffer(window), window, [start.total_bytes for start, _ in parts])
@@ -479,6 +484,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             return await self._put_verified(verified, parts)
 
     async def _verify_done(self, done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]],
+                           sums: list[int | None],
                            verified: list[tuple[Record, common_pb2.RecordStart, Durability]], tid: bytes,
                            *, final: bool = False) -> None:
         """Verify the records the stream has completed since the last call, and drop their chunks.
@@ -490,7 +496,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         while len(verified) < len(done):
             i = len(verified)
             start, chunks = done[i]
-            verified.append(await self._verify(i, start, chunks, tid))
+            verified.append(await self._verify(i, start, chunks, tid, sums[i]))
             chunks.clear()  # the verified record holds its own copy of the payload
 
     def _shm_window(self, context: Any, *, put: bool) -> ShmWindow | None:
@@ -526,12 +532,13 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         return response
 
     async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes | memoryview],
-                      tid: bytes) -> tuple[Record, common_pb2.RecordStart, Durability]:
+                      tid: bytes, payload_sum: int | None = None) -> tuple[Record, common_pb2.RecordStart, Durability]:
         """Durability, checksums, key, kind, model and tenant (`tid`: the caller's tenant id) of one
         record; returned re-stamped with the caller's tenant, with the durability it asks for."""
         durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
         try:
-            record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key, keep_view=True)
+            record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key, keep_view=True,
+                                               payload_sum=payload_sum)
         except RecordError as exc:
             raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
         h = record.header

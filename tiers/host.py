@@ -103,13 +103,12 @@ class HostTier(Tier):
             covered = stop
         if covered != entry.alloc.payload_len:
             raise ValueError(f"slices cover {covered} of {entry.alloc.payload_len} payload bytes")
-        out = self._pools.read_slices(entry.alloc, slices)
-        if len(out) == 1:
+        if len(slices) == 1:
+            out = self._pools.read_slices(entry.alloc, slices)
             digest = payload_checksum(memoryview(out[0])[len(slices[0][0]):])
-        else:
+        else:  # each piece hashed as soon as it is copied, while it is in cache
             state = xxhash.xxh3_64()
-            for piece, (prefix, _, _) in zip(out, slices):
-                state.update(memoryview(piece)[len(prefix):])
+            out = self._pools.read_slices(entry.alloc, slices, state.update)
             digest = state.intdigest()
         if digest != checksum:
             self._drop(key)  # RAM corruption: never served, reported as a miss

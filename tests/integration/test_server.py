@@ -235,6 +235,8 @@ BAD_STREAMS = {
                   grpc.StatusCode.INVALID_ARGUMENT, "stream ended after"),
     "bad checksum": (lambda s: chunks_of(record(s), data=corrupt_payload(record(s))),
                      grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"),
+    "bad checksum, in parts": (lambda s: chunks_of(record(s), data=corrupt_payload(record(s)), step=1000),
+                               grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"),
     "key not the header's": (lambda s: chunks_of(record(s, 1), key=record(s, 2).key),
                              grpc.StatusCode.INVALID_ARGUMENT, "does not match the key"),
     "unknown kind": (lambda s: chunks_of(record(s, kind=99)), grpc.StatusCode.INVALID_ARGUMENT, "unknown kind 99"),

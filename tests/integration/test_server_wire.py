@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.statestore.v1 import common_pb2
-from statestore.wire import data_frame, encoded_size, frame_slices, join_parts, record_frames, split_data_frame
+from statestore.wire import (PartsChecksum, data_frame, encoded_size, frame_slices, join_parts, record_frames,
+                            split_data_frame)
 from tiers.record import HEADER_SIZE, RecordError, encode_record, make_record
 
 
@@ -77,6 +78,37 @@ def test_any_split_reassembles(cuts: list[int]) -> None:
     data = encode_record(r)
     bounds = [0, *cuts, len(data)]
     assert same(join_parts([data[a:b] for a, b in zip(bounds, bounds[1:])], expect_key=r.key), r)
+
+
+def _summed(parts: list[bytes]) -> int | None:
+    summed = PartsChecksum()
+    for i in range(len(parts)):
+        summed.add(parts[: i + 1])
+    return summed.value()
+
+
+@settings(max_examples=80, deadline=None)
+@given(nbytes=st.integers(0, 3000), cuts=st.lists(st.integers(0, 3200), max_size=4), flip=st.integers(-1, 3200))
+def test_a_checksum_taken_part_by_part_verifies_as_join_parts_does(nbytes: int, cuts: list[int], flip: int) -> None:
+    """PartsChecksum over the parts as they arrive gives join_parts the same verdict as hashing
+    the joined payload: the same record, or the same checksum error for a flipped payload byte;
+    a one-part record (or a first part shorter than the header) is left to join_parts."""
+    r = record(nbytes)
+    data = bytearray(encode_record(r))
+    if HEADER_SIZE <= flip < len(data):
+        data[flip] ^= 0x40
+    bounds = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
+    parts = [bytes(data[a:b]) for a, b in zip(bounds, bounds[1:])]
+    summed = _summed(parts)
+    assert (summed is None) == (len(parts) < 2 or len(parts[0]) < HEADER_SIZE)
+    try:
+        assert same(join_parts(parts, expect_key=r.key), r)
+    except RecordError as exc:
+        assert "checksum mismatch" in str(exc) and flip >= HEADER_SIZE
+        with pytest.raises(RecordError, match="payload checksum mismatch"):
+            join_parts(parts, expect_key=r.key, payload_sum=summed)
+        return
+    assert same(join_parts(parts, expect_key=r.key, payload_sum=summed), r)
 
 
 @pytest.mark.parametrize("split", [True, False])

@@ -296,6 +296,9 @@ def test_read_slices_are_prefixed_slices_of_the_record_over_any_pages(data: st.D
     out = pool.read_slices(ids, length, slices)
     assert out == [prefix + payload[a:b] for prefix, a, b in slices]
     assert all(type(piece) is bytes for piece in out)
+    seen: list[bytes] = []  # `each` sees each piece's record bytes, without its prefix, in order
+    assert pool.read_slices(ids, length, slices, lambda view: seen.append(bytes(view))) == out
+    assert seen == [payload[a:b] for _, a, b in slices]
 
 
 def test_read_slices_refuse_bytes_outside_the_record() -> None:
