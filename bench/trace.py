@@ -62,7 +62,6 @@ from statestore.cost_policy import CostAwarePolicy
 from statestore.keys import hash_block
 from statestore.policy import LRUPolicy, PlacementPolicy, required_tier
 from statestore.profile import CostProfile, EngineProfile, ProfileError, default_profile_path
-from statestore.reuse import chain_context, describe_context
 from statestore.store import BudgetExceeded, StoreConfig, TieredStore
 from statestore.types import Durability, PlacementDecision, StateMeta, TierCost, TierName, TierProfile
 from tiers.record import HEADER_SIZE, Record, RecordKey, make_record, make_record_key
@@ -189,11 +188,6 @@ class RunResult:
     decisions: dict[str, int] = field(default_factory=dict)  # the cost policy's admissions and refusals
     wall_s: float = 0.0
     policy_obj: PlacementPolicy | None = None
-    # For the report only (the policy never sees it): block reads and hits by how often the
-    # block had been read before in this run.
-    prior_reads: dict[int, int] = field(default_factory=dict)
-    reads_by_prior: dict[str, int] = field(default_factory=lambda: {"0": 0, "1": 0, "2+": 0})
-    hits_by_prior: dict[str, int] = field(default_factory=lambda: {"0": 0, "1": 0, "2+": 0})
 
     def row(self) -> dict[str, Any]:
         t = sorted(self.ttft_s)
@@ -209,17 +203,7 @@ class RunResult:
             "evicted_host": self.evictions.get("host", 0), "evicted_ssd": self.evictions.get("ssd", 0),
             "ssd_copies_refused": self.decisions.get("ssd refused", 0),
             "promotions_refused": self.decisions.get("host promotion refused", 0), "wall_s": self.wall_s,
-            "hit_after_1_read": self.hits_by_prior["1"] / max(1, self.reads_by_prior["1"]),
-            "hit_after_2plus_reads": self.hits_by_prior["2+"] / max(1, self.reads_by_prior["2+"]),
         }
-
-    def count_read(self, hash_id: int, hit: bool) -> None:
-        """Book one block read under how often its block had been read before (the report's 'which reads')."""
-        before = self.prior_reads.get(hash_id, 0)
-        self.prior_reads[hash_id] = before + 1
-        bucket = "0" if before == 0 else "1" if before == 1 else "2+"
-        self.reads_by_prior[bucket] += 1
-        self.hits_by_prior[bucket] += hit
 
 
 class Simulator:
@@ -309,7 +293,6 @@ class Simulator:
             res.ttft_s.append(ttft)
             res.compute_s += compute
         res.wall_s = time.perf_counter() - t0
-        res.prior_reads.clear()  # only needed while running; the result travels between processes
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
         res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
         if isinstance(policy, CostAwarePolicy):
@@ -330,7 +313,6 @@ class Simulator:
         for i, block_key in enumerate(keys):
             rkey = make_record_key(GLOBAL, block_key)
             tier = None if prefix_broken else await self._load(store, rkey)
-            res.count_read(req.hash_ids[i], tier is not None)
             if tier is not None:
                 res.hits[tier.value] += 1
                 load += self.load_s(tier, HEADER_SIZE + layout.block_bytes)
@@ -406,18 +388,16 @@ def reuse_reason(cost: RunResult, lru: RunResult) -> str:
              f"{c['promotions_refused']}"]
     pol = cost.policy_obj
     if isinstance(pol, CostAwarePolicy):
-        def p_of(n: int, length: int, last: bool = False) -> str:
-            context = chain_context(length, length - 1 if last else 0)
-            return f"{pol.reuse.p_next(TENANT, n, context):.2f} ({describe_context(context)})"
-        lines.append(
-            f"which reads it won: of the block reads whose block had been read once before, {c['hit_after_1_read']:.1%} "
-            f"hit vs LRU {l['hit_after_1_read']:.1%}; twice or more before, {c['hit_after_2plus_reads']:.1%} vs "
-            f"{l['hit_after_2plus_reads']:.1%}")
+        table = pol.reuse.context_table(TENANT)
+        def p_of(n: int, length_bucket: int, from_end: int) -> float:
+            cell = table.get((n, length_bucket * 4 + from_end))
+            return cell[0] if cell else math.nan
         lines.append(
             "why: it keeps the copies worth most per byte, P(reuse) x (rebuild - load) / bytes, with P(reuse) learned "
             "online from what the store saw: P(next read | reads so far, where the block sat in the reader's looked-up "
-            f"chain). Learned: read once, {p_of(1, 20)}, {p_of(1, 40)}, {p_of(1, 50)}, {p_of(1, 70)}, "
-            f"{p_of(1, 50, last=True)}; read twice, {p_of(2, 40)}, {p_of(2, 50)}; "
+            f"chain). Learned: read once, inside a 64-127-block chain {p_of(1, 6, 3):.2f}, inside a 32-63 chain "
+            f"{p_of(1, 5, 3):.2f}, inside a 16-31 chain {p_of(1, 4, 3):.2f}, a chain's last block {p_of(1, 5, 0):.2f} "
+            f"(32-63) / {p_of(1, 6, 0):.2f} (64-127); read twice, inside a 32-63 chain {p_of(2, 5, 3):.2f}; "
             f"overall P(next | 1 read) {pol.reuse.p_next(TENANT, 1):.2f}, | 2 reads {pol.reuse.p_next(TENANT, 2):.2f}. "
             "So a chain's tail and blocks of short one-off chains leave first, shared documents stay; LRU evicts by "
             "age alone. Rebuild cost enters the same ratio (block 0 has no lead-in; a partial last block covers fewer "

@@ -7,20 +7,14 @@ keeps, per tenant:
 - `P(next | n)`: the chance that a record accessed n times is accessed again, from counts of
   records that went on to n + 1 accesses and of those that stayed idle past the resolve
   time (the 95th-percentile gap) after their n-th (n capped at `max_rank`); accesses still
-  inside that time are open, not failures, so early estimates are not biased low. Frequency
-  is what LRU ignores: a block read twice is far likelier to be read a third time than a
-  block read once is to be read a second time. Each count's estimate is shrunk towards the
-  count below it (the first towards the `prior_p_next`): early on the higher counts have few
-  resolved samples, and what they do not say yet comes from their nearest neighbour.
+  inside that time are open, not failures, so early estimates are not biased low. Frequency is what LRU ignores: a block read twice is far likelier to be read
+  a third time than a block read once is to be read a second time.
 - `P(next | n, chain context)`: the same counts split by where the record sat in the key
-  chain a reader last looked up (`chain_context`: the chain's length in quarter-octave
-  buckets, and the record's distance from its end). A long chain's inner blocks are a shared
-  document that readers come back to; the last block of a chain is the reader's own tail,
-  rarely read again. A context's estimate is shrunk in steps (`context_weight` pseudo-counts
-  each): the count-only odds, then the record's position in its chain whatever the chain's
-  length, then position and length by octaves, then the fine context
-  (`coarse_contexts`). So a context seen rarely says little, and what it does not say comes
-  from its nearest relatives: the tail of a chain of a rare length is still a tail.
+  chain a reader last looked up (`chain_context`: the chain's length, log2-bucketed, and the
+  record's distance from its end). A long chain's inner blocks are a shared document that
+  readers come back to; the last block of a chain is the reader's own tail, rarely read
+  again. Each context's estimate is shrunk towards the count-only one (`context_weight`
+  pseudo-counts), so a context seen rarely says little.
 - the gap distribution: the empirical CDF of the last `max_gaps` inter-access gaps, mixed
   with an exponential tail so that an idle time past every observed gap is unlikely, not
   impossible.
@@ -35,7 +29,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -59,12 +52,7 @@ class ReuseConfig:
 
 
 NO_CONTEXT = -1  # a record no lookup placed in a chain
-# Chain lengths are bucketed in quarter octaves (1, 2, 3, 4, 5, 6, 7, 8-9, ...): how likely a
-# chain is to be read again varies with its length faster than by doubling. (On the Mooncake
-# trace, new documents of 32-47 blocks came back 24% of the time, of 48-63 blocks 52%; octave
-# buckets merge them. Tuned on that trace: 1 and 2 steps per octave were worse than 4.)
-_LENGTH_STEPS = 4
-_MAX_LENGTH_BUCKET = 8 * _LENGTH_STEPS - 1  # chains of 216 blocks and more share one bucket
+_MAX_LENGTH_BUCKET = 7  # chains of 128 blocks and more share one bucket
 _MAX_FROM_END = 3  # 3 or more blocks before the chain's end share one bucket
 
 
@@ -75,57 +63,24 @@ def chain_context(length: int, position: int, extends_known: bool = False) -> in
     """The context label of the record at `position` (0-based) in a looked-up chain of `length`.
 
     Observed facts of the reader's request, known when it arrives (no future): how long its
-    chain is (quarter-octave buckets), how far this record sits from the chain's end (0, 1,
-    2, 3+), and whether it is a new block appended to a prefix the store has seen (a
-    conversation's new turn, as opposed to a new document).
+    chain is (log2 buckets), how far this record sits from the chain's end (0, 1, 2, 3+), and
+    whether it is a new block appended to a prefix the store has seen (a conversation's new
+    turn, as opposed to a new document).
     """
     if length < 1 or not 0 <= position < length:
         raise ValueError(f"position {position} is not in a chain of {length}")
-    length_bucket = min(_MAX_LENGTH_BUCKET, _length_bucket(length))
+    length_bucket = min(_MAX_LENGTH_BUCKET, length.bit_length() - 1)
     label = length_bucket * (_MAX_FROM_END + 1) + min(_MAX_FROM_END, length - 1 - position)
     return label + _EXTENDS if extends_known else label
 
 
-def _length_bucket(length: int) -> int:
-    """floor(_LENGTH_STEPS x log2(length)), exactly (no float rounding at powers of two)."""
-    bucket = _LENGTH_STEPS * (length.bit_length() - 1)
-    while _chain_length_at(bucket + 1) <= length:
-        bucket += 1
-    return bucket
-
-
-def _chain_length_at(bucket: int) -> int:
-    """The shortest chain length in `bucket`: ceil(2 ** (bucket / _LENGTH_STEPS))."""
-    return math.ceil(2 ** (bucket / _LENGTH_STEPS) - 1e-9)
-
-
-def coarse_contexts(context: int) -> tuple[int, int]:
-    """Two coarser labels of a `chain_context` label, coarsest first: where the record sat in
-    its chain (distance from the end, new after a known prefix or not), then that and the
-    chain's length by octaves. A fine context seen rarely is shrunk towards them: the last
-    block of any chain is rarely read again, whatever the chain's length."""
-    extends, rest = divmod(context, _EXTENDS)
-    lb, fe = divmod(rest, _MAX_FROM_END + 1)
-    position = extends * (_MAX_FROM_END + 1) + fe
-    return position, (lb // _LENGTH_STEPS) * 2 * (_MAX_FROM_END + 1) + position
-
-
-def _count(fine: dict[tuple[int, int], int], coarse: dict[tuple[int, int, int], int], rank: int, context: int) -> None:
-    """One outcome of an access of `rank` in `context`, at every level of the context."""
-    fine[rank, context] = fine.get((rank, context), 0) + 1
-    if context != NO_CONTEXT:
-        for level, label in enumerate(coarse_contexts(context)):
-            coarse[rank, level, label] = coarse.get((rank, level, label), 0) + 1
-
-
 def describe_context(context: int) -> str:
-    """`chain 39-45, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT."""
+    """`chain 32-63, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT."""
     if context == NO_CONTEXT:
         return "no chain"
     extends, rest = divmod(context, _EXTENDS)
     lb, fe = divmod(rest, _MAX_FROM_END + 1)
-    low, high = _chain_length_at(lb), _chain_length_at(lb + 1) - 1
-    span = f"{low}+" if lb == _MAX_LENGTH_BUCKET else (f"{low}" if low == high else f"{low}-{high}")
+    span = f"{1 << lb}+" if lb == _MAX_LENGTH_BUCKET else f"{1 << lb}-{(2 << lb) - 1}"
     end = "last" if fe == 0 else f"{fe}{'+' if fe == _MAX_FROM_END else ''} from end"
     return f"chain {span}, {end}" + (", new after a known prefix" if extends else "")
 
@@ -138,9 +93,6 @@ class _TenantStats:
     # the same counts per (n, chain context of the n-th access)
     stopped_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
     went_on_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
-    # the same per (n, level, coarser label) of the context (`coarse_contexts`)
-    stopped_coarse: dict[tuple[int, int, int], int] = field(default_factory=dict)
-    went_on_coarse: dict[tuple[int, int, int], int] = field(default_factory=dict)
     sorted_gaps: list[float] = field(default_factory=list)
     gap_sum: float = 0.0
     # (time, key, n) of recent accesses whose outcome (another access or not) is still open:
@@ -185,7 +137,7 @@ class ReuseEstimator:
             self._history.move_to_end(key)
             rank = self._rank(h.count)
             stats.went_on[rank] += 1
-            _count(stats.went_on_ctx, stats.went_on_coarse, rank, h.context)
+            stats.went_on_ctx[rank, h.context] = stats.went_on_ctx.get((rank, h.context), 0) + 1
             self._add_gap(stats, max(0.0, when - h.last))
         h.count += 1
         h.last = max(h.last, when)
@@ -205,7 +157,7 @@ class ReuseEstimator:
             if h is not None and h.count == count:
                 rank = self._rank(count)
                 stats.stopped[rank] += 1
-                _count(stats.stopped_ctx, stats.stopped_coarse, rank, context)
+                stats.stopped_ctx[rank, context] = stats.stopped_ctx.get((rank, context), 0) + 1
 
     def _resolve_s(self, stats: _TenantStats) -> float:
         if not stats.sorted_gaps:
@@ -235,42 +187,17 @@ class ReuseEstimator:
 
     def p_next(self, tenant: bytes, count: int, context: int = NO_CONTEXT) -> float:
         """P(a record of `tenant` accessed `count` times, the last in `context`, is accessed again)."""
+        c = self.config
         stats = self._tenants.get(tenant)
         n = self._rank(max(1, count))
-        if stats is None:
-            return self.config.prior_p_next
-        base = self._base_by_rank(stats)
-        if context == NO_CONTEXT:
-            return base[n - 1]
-        return self._by_rank_in_context(stats, base, context, n)[n - 1]
-
-    def _base_by_rank(self, stats: _TenantStats) -> list[float]:
-        """P(next | n) for n = 1..max_rank, each shrunk towards P(next | n - 1) (`context_weight`
-        pseudo-counts; n = 1 towards the prior)."""
-        c = self.config
-        out: list[float] = []
-        for n in range(1, c.max_rank + 1):
-            prior, weight = (out[-1], c.context_weight) if out else (c.prior_p_next, c.prior_weight)
-            out.append((stats.went_on[n] + prior * weight) / (stats.went_on[n] + stats.stopped[n] + weight))
-        return out
-
-    def _by_rank_in_context(self, stats: _TenantStats, base: Sequence[float], context: int, upto: int) -> list[float]:
-        """P(next | n, context) for n = 1..upto: from P(next | n), shrunk in steps through the
-        coarser contexts to the fine one (module docstring)."""
-        c = self.config
-        raw, weights = [], []
-        levels = coarse_contexts(context)
-        for n in range(1, upto + 1):
-            p = base[n - 1]
-            for level, label in enumerate(levels):  # from coarse to fine, each shrunk towards the last
-                went_on = stats.went_on_coarse.get((n, level, label), 0)
-                p = (went_on + p * c.context_weight) / (went_on + stats.stopped_coarse.get((n, level, label), 0)
-                                                        + c.context_weight)
-            went_on = stats.went_on_ctx.get((n, context), 0)
-            samples = went_on + stats.stopped_ctx.get((n, context), 0) + c.context_weight
-            raw.append((went_on + p * c.context_weight) / samples)
-            weights.append(samples)
-        return raw
+        went_on = stats.went_on[n] if stats else 0
+        stopped = stats.stopped[n] if stats else 0
+        base = (went_on + c.prior_p_next * c.prior_weight) / (went_on + stopped + c.prior_weight)
+        if stats is None or context == NO_CONTEXT:
+            return base
+        went_on = stats.went_on_ctx.get((n, context), 0)
+        stopped = stats.stopped_ctx.get((n, context), 0)
+        return (went_on + base * c.context_weight) / (went_on + stopped + c.context_weight)
 
     def context_table(self, tenant: bytes) -> dict[tuple[int, int], tuple[float, int]]:
         """(n, context) -> (P(next), resolved samples) for every context seen: what explains a ranking."""

@@ -11,7 +11,6 @@ from bench.trace import (
     FP8_BYTES_PER_TOKEN,
     OUR_BYTES_PER_TOKEN,
     Request,
-    RunResult,
     Simulator,
     budget_for_share,
     default_trace_path,
@@ -76,11 +75,3 @@ def test_a_short_run_goes_through_the_store_and_never_beats_physics() -> None:
     ours = asyncio.run(sim.run("lru-ours", 1.0, 0.0))
     assert ours.ttft_s[3] == pytest.approx(recompute.ttft_s[3])  # a cold request pays the full prefill
     assert ours.row()["gpu_s_saved"] > 0
-
-
-def test_the_report_books_each_block_read_under_its_earlier_reads() -> None:
-    res = RunResult("cost", 1.0, 0.0)
-    for hash_id, hit in ((7, False), (7, True), (7, True), (8, False), (8, False)):
-        res.count_read(hash_id, hit)
-    assert res.reads_by_prior == {"0": 2, "1": 2, "2+": 1}
-    assert res.hits_by_prior == {"0": 0, "1": 1, "2+": 1}
