@@ -22,14 +22,22 @@ MMAP_THRESHOLD_BYTES = 64 << 20  # buffers below this come from the heap and are
 TRIM_THRESHOLD_BYTES = 256 << 20  # free heap kept before memory is returned to the OS
 
 
+def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """glibc's mallopt, from the C library this process already runs on (`CDLL(None)`: the
+    symbols loaded into the process), else by soname, else as `find_library` finds it, which
+    can come back empty in slim images (it asks ldconfig or a compiler)."""
+    for name in (None, "libc.so.6", ctypes.util.find_library("c")):
+        try:
+            return ctypes.CDLL(name).mallopt
+        except (OSError, AttributeError, TypeError):  # musl, macOS: no mallopt
+            continue
+    return None
+
+
 def keep_large_buffers_in_heap() -> bool:
     """Raise glibc's mmap and trim thresholds; False (and nothing changed) off glibc."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # musl, macOS: no mallopt
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     logger.debug("mallopt mmap/trim thresholds %s", "set" if ok else "refused")
