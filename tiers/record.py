@@ -307,6 +307,35 @@ _RECORD_PAYLOAD_SET = Record.payload.__set__  # type: ignore[attr-defined]
 _RECORD_CHECKSUM_SET = Record.checksum.__set__  # type: ignore[attr-defined]
 
 
+class HeaderCache:
+    """Decoded headers of the records a reader sees again (a tier's re-reads of hot records), by
+    record key. A value whose header bytes equal the ones decoded before for its key decodes to
+    the same fields, whose parse and checks (header checksum included) were made then, so
+    `decode_record(..., headers=cache, expect_key=key)` skips them (~1.1 of its ~2.2 µs for a
+    4 KiB record); any other value is decoded and replaces the entry. Bounded: beyond
+    `max_entries` the oldest entry leaves first."""
+
+    def __init__(self, max_entries: int = 16384) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self._max = max_entries
+        self._entries: dict[bytes, tuple[bytes, RecordHeader, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def decode(self, buf: bytes | memoryview, key: bytes) -> tuple[RecordHeader, int]:
+        """`decode_header(buf)`, from the cache when `key`'s header bytes were seen before."""
+        hit = self._entries.get(key)
+        if hit is not None and buf[:HEADER_SIZE] == hit[0]:
+            return hit[1], hit[2]
+        header, checksum = decode_header(buf)  # raises on a short or corrupt header: nothing is cached
+        if hit is None and len(self._entries) >= self._max:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (bytes(buf[:HEADER_SIZE]), header, checksum)
+        return header, checksum
+
+
 def decode_record(
     buf: bytes | memoryview,
     *,
@@ -314,6 +343,7 @@ def decode_record(
     expect_tenant: bytes | None = None,
     expect_key: bytes | None = None,
     keep_view: bool = False,
+    headers: HeaderCache | None = None,
 ) -> Record:
     """Parse and verify a whole record; reject anything malformed or not the one expected.
 
@@ -321,24 +351,29 @@ def decode_record(
     verified on a view of `buf`; with `keep_view` (and no compression) it is not copied: the
     payload is a read-only view of `buf`, for a caller whose `buf` outlives the record.
     """
-    header, checksum = decode_header(buf)
+    header, checksum = (decode_header(buf) if headers is None or expect_key is None
+                        else headers.decode(buf, expect_key))
     end = HEADER_SIZE + header.stored_length
-    if len(buf) < end:
-        raise RecordError(f"truncated payload: {len(buf) - HEADER_SIZE} of {header.stored_length} bytes")
-    if len(buf) > end:
+    if len(buf) != end:
+        if len(buf) < end:
+            raise RecordError(f"truncated payload: {len(buf) - HEADER_SIZE} of {header.stored_length} bytes")
         raise RecordError(f"{len(buf) - end} trailing bytes after the payload")
-    stored = memoryview(buf)[HEADER_SIZE:end]
+    compressed = header.flags & FLAG_ZSTD
+    # bytes in, bytes out: one slice is the copy and what is hashed; else hash a view, copy after
+    stored = buf[HEADER_SIZE:] if type(buf) is bytes and not keep_view else memoryview(buf)[HEADER_SIZE:]
     if xxhash.xxh3_64_intdigest(stored) != checksum:
         raise RecordError("payload checksum mismatch: the payload is corrupt")
     if expect_fingerprint is not None and header.model_fingerprint != expect_fingerprint:
         raise RecordError("record belongs to another model fingerprint")
     if expect_tenant is not None and header.tenant_id != expect_tenant:
         raise RecordError("record belongs to another tenant")
-    if expect_key is not None and (expect_key[2:] != header.block_key
-                                   or expect_key[:2] != header.kind.to_bytes(2, "big")):
+    if expect_key is not None and expect_key != header.key:
         raise RecordError("record key does not match the key it was stored under")
-    payload: bytes | memoryview = stored.toreadonly() if keep_view and not header.flags & FLAG_ZSTD else bytes(stored)
-    if header.flags & FLAG_ZSTD:
+    if type(stored) is bytes:
+        payload: bytes | memoryview = stored
+    else:
+        payload = stored.toreadonly() if keep_view and not compressed else bytes(stored)
+    if compressed:
         try:
             payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_length)
         except zstandard.ZstdError as exc:
@@ -348,5 +383,5 @@ def decode_record(
     record = _new(Record)  # len(payload) == header.raw_length: checked above
     _RECORD_HEADER_SET(record, header)
     _RECORD_PAYLOAD_SET(record, payload)
-    _RECORD_CHECKSUM_SET(record, None if header.flags & FLAG_ZSTD else checksum)  # stored == raw bytes
+    _RECORD_CHECKSUM_SET(record, None if compressed else checksum)  # stored == raw bytes
     return record

@@ -47,6 +47,7 @@ from tiers.record import (
     HEADER_SIZE,
     KEY_BYTES,
     RECORD_KEY_BYTES,
+    HeaderCache,
     Record,
     RecordError,
     RecordHeader,
@@ -149,6 +150,8 @@ class RedisTier(Tier):
         self._current_cooldown_s = cooldown_s
         self._skip_until = 0.0
         self._known: dict[RecordKey, tuple[int, int]] = {}  # key -> (kind, value bytes)
+        # hot records' headers, decoded once (gets of the same records skip the header parse)
+        self._headers = HeaderCache()
         self._tally: dict[int, _KindTally] = {}
         self._resident_bytes = 0
 
@@ -295,11 +298,10 @@ class RedisTier(Tier):
             return await asyncio.to_thread(self._encode_parts_sync, record)
         return self._encode_parts_sync(record)
 
-    @staticmethod
-    async def _decode(value: bytes, key: RecordKey) -> Record:
-        if len(value) >= OFFLOAD_BYTES:
+    async def _decode(self, value: bytes, key: RecordKey) -> Record:
+        if len(value) >= OFFLOAD_BYTES:  # off the loop; the header cache stays on it
             return await asyncio.to_thread(decode_record, value, expect_key=key)
-        return decode_record(value, expect_key=key)
+        return decode_record(value, expect_key=key, headers=self._headers)
 
     async def _verified(self, key: RecordKey, value: bytes | None) -> Record | None:
         """Decode a value read from Redis; a corrupt one is deleted and becomes a miss."""
@@ -396,14 +398,16 @@ class RedisTier(Tier):
         if values is UNAVAILABLE:
             return [None] * len(keys)
         out: list[Record | None] = []
+        known, headers = self._known.get, self._headers
         for k, v in zip(keys, values):
             if v is not None and len(v) < OFFLOAD_BYTES:  # the common case, without a coroutine per value
                 try:
-                    record = decode_record(v, expect_key=k)
+                    record = decode_record(v, expect_key=k, headers=headers)
                 except RecordError:
                     out.append(await self._verified(k, v))  # logs, deletes the corrupt value
                     continue
-                self._track(k, record.header.kind, len(v))
+                if known(k) != (record.header.kind, len(v)):  # `_track`'s test, without its call
+                    self._track(k, record.header.kind, len(v))
                 out.append(record)
             else:
                 out.append(await self._verified(k, v))

@@ -262,3 +262,31 @@ def test_with_tenant_is_replace_without_the_checks_already_made(old: bytes, new:
     assert got == dataclasses.replace(h, tenant_id=new, stored_length=0, flags=0) and got.key == h.key
     with pytest.raises(RecordError, match="tenant id"):
         with_tenant(h, new[:15])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1)), min_size=1, max_size=12), st.integers(-1, HEADER_SIZE - 1))
+def test_header_cache_decodes_as_decode_header_and_stays_bounded(picks: list[tuple[int, int]], flip: int) -> None:
+    """A HeaderCache gives what decode_header gives for every value read under a key, cached or
+    not, also when a key's value changes (two versions per key here); a corrupt or short header
+    raises as decode_header does and is not cached; the cache keeps at most its bound."""
+    from tiers.record import HeaderCache
+
+    cache = HeaderCache(max_entries=3)
+    records = [[make_record(1, 0, bytes([i, v]) * (10 + i), model_fingerprint=FINGERPRINT, tenant_id=TENANT,
+                            block_key=bytes([i]) * 32) for v in range(2)] for i in range(4)]
+    for i, v in picks:
+        value, key = encode_record(records[i][v]), records[i][v].key
+        assert cache.decode(value, key) == decode_header(value)
+        assert decode_record(value, expect_key=key, headers=cache) == decode_record(value, expect_key=key)
+        assert len(cache) <= 3
+    i, v = picks[0]
+    if flip >= 0:
+        bad = bytearray(encode_record(records[i][v]))
+        bad[flip] ^= 0x10
+        with pytest.raises(RecordError):
+            decode_header(bytes(bad))
+        with pytest.raises(RecordError):
+            cache.decode(bytes(bad), records[i][v].key)
+    with pytest.raises(RecordError, match="truncated header"):
+        cache.decode(encode_record(records[i][v])[:HEADER_SIZE - 1], records[i][v].key)
