@@ -76,6 +76,7 @@ PER_EXPIRY_OVERHEAD_BYTES = 32
 # and one copy: ~1 ms at 8 MiB) costs less than the thread hop, as redis-py's own parsing of
 # the reply does on the loop; above it the loop is kept free.
 OFFLOAD_BYTES = 8 << 20
+NAME_CACHE_ENTRIES = 1 << 16  # Redis key names kept per tier (`redis_key`): ~10 MB at most
 SCAN_BATCH = 512
 
 # Errors that mean "Redis is not there right now": cooldown, not a per-call warning.
@@ -152,6 +153,7 @@ class RedisTier(Tier):
         self._known: dict[RecordKey, tuple[int, int]] = {}  # key -> (kind, value bytes)
         # hot records' headers, decoded once (gets of the same records skip the header parse)
         self._headers = HeaderCache()
+        self._names: dict[bytes, str] = {}  # record key -> Redis key name (`redis_key`)
         self._tally: dict[int, _KindTally] = {}
         self._resident_bytes = 0
 
@@ -177,10 +179,17 @@ class RedisTier(Tier):
 
     def redis_key(self, key: RecordKey) -> str:
         """`{prefix}:{<64 hex block key>}:<kind>` (what split_record_key would give, without
-        building its parts: this runs for every key of every call)."""
-        if len(key) != RECORD_KEY_BYTES:
-            raise ValueError(f"record key must be {RECORD_KEY_BYTES} bytes, got {len(key)}")
-        return f"{self._prefix}:{{{key[2:].hex()}}}:{(key[0] << 8) | key[1]}"
+        building its parts: this runs for every key of every call, so names are kept for the
+        keys seen last, up to NAME_CACHE_ENTRIES)."""
+        name = self._names.get(key)
+        if name is None:
+            if len(key) != RECORD_KEY_BYTES:
+                raise ValueError(f"record key must be {RECORD_KEY_BYTES} bytes, got {len(key)}")
+            name = f"{self._prefix}:{{{key[2:].hex()}}}:{(key[0] << 8) | key[1]}"
+            if len(self._names) >= NAME_CACHE_ENTRIES:
+                self._names.clear()  # a crude bound: the hot keys come back at once
+            self._names[bytes(key)] = name
+        return name
 
     def record_key(self, redis_key: str | bytes) -> RecordKey | None:
         """Inverse of `redis_key`; None for a key name that is not one of ours."""
