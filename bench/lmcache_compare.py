@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -61,6 +60,7 @@ from typing import Any
 import torch
 
 from bench.common import Floor, print_floors, print_table, write_results
+from statestore.spawn import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 256
@@ -86,17 +86,7 @@ class Server:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "statestore.cli", "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir",
-             str(self.data_dir), "--preset", "mini"], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        match = re.search(r"serving on 127\.0\.0\.1:(\d+)", line)
-        if match is None:
-            self.proc.kill()
-            raise RuntimeError(f"statestore did not start: {line}{self.proc.stdout.read()}")
-        self.port = int(match.group(1))
+        self.proc, self.port = spawn_serve(self.data_dir, port=self.port, env=self.env, cwd=ROOT)
 
     @property
     def target(self) -> str:

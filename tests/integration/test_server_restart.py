@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from statestore.client import StateStoreClient
+from statestore.spawn import spawn_serve
 from statestore.types import Durability
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
@@ -30,16 +28,8 @@ class ServerProcess:
 
     def __init__(self, data_dir: Path) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "STATESTORE_SESSIONS_BLOCK_SIZE": "64"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "statestore.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-             "--preset", "mini"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        match = re.search(r"serving on 127\.0\.0\.1:(\d+)", line)
-        if match is None:
-            self.proc.kill()
-            raise AssertionError(f"server did not start: {line}{self.proc.stdout.read()}")
-        self.target = f"127.0.0.1:{match.group(1)}"
+        self.proc, port = spawn_serve(data_dir, env=env, cwd=ROOT)
+        self.target = f"127.0.0.1:{port}"
 
     def stop(self, sig: int = signal.SIGKILL) -> int:
         if self.proc.poll() is None:

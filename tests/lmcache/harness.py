@@ -10,14 +10,14 @@ lmcache at module level.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from statestore.spawn import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = "statestore"
@@ -49,18 +49,8 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "statestore.cli", "serve", "--listen", f"127.0.0.1:{self.port}",
-             "--data-dir", str(self.data_dir), "--preset", "mini"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        match = re.search(r"serving on 127\.0\.0\.1:(\d+)", line)
-        if match is None:
-            self.proc.kill()
-            raise AssertionError(f"statestore did not start: {line}{self.proc.stdout.read()}")
-        self.port = int(match.group(1))
+        self.proc, self.port = spawn_serve(self.data_dir, port=self.port, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                           cwd=ROOT)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

@@ -1,0 +1,35 @@
+"""`statestore serve` in a child process, for the tools and tests that need a real sidecar.
+
+The child prints one ready line ("statestore serving on 127.0.0.1:<port> ...") once it
+listens; `spawn_serve` waits for it and returns the port it bound (0 asks for any). Its
+output stays on a pipe the caller may read; a server that would log a lot while nobody reads
+should log to a file instead (tests/fault/nodes.py does).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+READY = re.compile(r"statestore serving on 127\.0\.0\.1:(\d+)")
+
+
+def spawn_serve(data_dir: Path, *, port: int = 0, preset: str = "mini", env: Mapping[str, str] | None = None,
+                cwd: Path | None = None) -> tuple[subprocess.Popen[str], int]:
+    """Start `python -m statestore.cli serve` on 127.0.0.1:`port` and return it with its port,
+    once it printed its ready line. A child that exits or prints anything else first is killed,
+    and RuntimeError carries what it printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "statestore.cli", "serve", "--listen", f"127.0.0.1:{port}", "--data-dir",
+         str(data_dir), "--preset", preset], cwd=cwd, env=None if env is None else dict(env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = READY.search(line)
+    if match is None:
+        proc.kill()
+        raise RuntimeError(f"statestore serve did not start: {line}{proc.stdout.read()}")
+    return proc, int(match.group(1))
