@@ -273,15 +273,11 @@ def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool
     total = sum(len(c) for c in chunks)
     try:
         fd, direct = _open(spare, direct, os.O_WRONLY | os.O_NOFOLLOW)
-        try:
-            _write(fd, chunks, total, direct, buffers)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(spare, final)
     except BaseException:
         remove_quietly(spare)
         raise
+    _write_or_remove(fd, spare, chunks, total, direct, buffers)
+    _sync_and_rename(fd, spare, final)
 
 
 def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool, buffers: IOBuffers,
@@ -328,15 +324,7 @@ def write_durable(tmp: str | Path, final: str | Path, chunks: Sequence[Chunk], *
     removed and the error re-raised: the caller sees either a durable record or nothing."""
     total = sum(len(c) for c in chunks)
     fd = _create_and_write(tmp, chunks, total, direct, buffers)
-    try:
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
+    _sync_and_rename(fd, tmp, final)
     fsync_dir(os.path.dirname(final))
 
 
@@ -346,13 +334,35 @@ def _create_and_write(path: str | Path, chunks: Sequence[Chunk], total: int, dir
     only from the create, with nothing touched; after any later error the file this call
     created is removed before the error propagates."""
     fd, direct = _create(path, direct)
+    _write_or_remove(fd, path, chunks, total, direct, buffers)
+    return fd
+
+
+def _write_or_remove(fd: int, path: str | Path, chunks: Sequence[Chunk], total: int, direct: bool,
+                     buffers: IOBuffers) -> None:
+    """`_write` to `fd` (open on `path`); after any error `fd` is closed and `path` removed
+    before the error propagates."""
     try:
         _write(fd, chunks, total, direct, buffers)
     except BaseException:
         os.close(fd)
         remove_quietly(path)
         raise
-    return fd
+
+
+def _sync_and_rename(fd: int, path: str | Path, final: str | Path) -> None:
+    """fdatasync and close `fd` (open on `path`), then rename `path` to `final`: the record is
+    durable under its final name (a new name still needs its directory synced). After any error
+    `path` is removed before the error propagates: the caller sees the record or nothing."""
+    try:
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(path, final)
+    except BaseException:
+        remove_quietly(path)
+        raise
 
 
 def _create(path: str | Path, direct: bool) -> tuple[int, bool]:
