@@ -192,3 +192,31 @@ def test_load_from_a_key_twice_in_one_chunk_is_held_once() -> None:
     assert tier.usage().by_kind[GLOBAL].num_records == 2 and tier.pools[GLOBAL].num_free_slots == 4
     assert tier.usage().by_kind[GLOBAL].resident_bytes == 2 * (100 + record_overhead_bytes(1))
     assert asyncio.run(tier.delete(a.key)) and tier.pools[GLOBAL].num_free_slots == 5
+
+
+def test_load_from_interleaved_kinds_and_split_runs() -> None:
+    """Keys whose kinds alternate (or whose kind comes back after another) take the index-list
+    path, keys of each kind in one run take ranges: both load every record bit-exactly, with
+    the same accounting."""
+    from tiers.hbm import PinnedHostTier
+    from tiers.host import HostTier
+
+    host = PinnedHostTier(HostTier(1 << 20), {GLOBAL: 100, INDEX: 40}, {GLOBAL: 40, INDEX: 40}, pin=False)
+    glob = [_record(GLOBAL, 100, i + 1, i) for i in range(12)]
+    index = [_record(INDEX, 40, i + 3, 100 + i) for i in range(12)]
+    for r in glob + index:
+        assert asyncio.run(host.put(r))
+    orders = {
+        "alternating": [r for pair in zip(glob, index) for r in pair],
+        "kind comes back": glob[:6] + index + glob[6:],
+        "one run each": index + glob,
+    }
+    for name, order in orders.items():
+        tier = _tier(slots=16)
+        events = tier.load_from(host, [r.key for r in order])
+        assert all(e is not None for e in events), name
+        for r in order:
+            assert asyncio.run(tier.get(r.key)).payload == r.payload, name
+        u = tier.usage()
+        assert u.by_kind[GLOBAL].num_records == 12 and u.by_kind[INDEX].num_records == 12, name
+        assert u.by_kind[INDEX].resident_bytes == 12 * (40 + record_overhead_bytes(1)), name
