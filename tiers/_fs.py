@@ -220,15 +220,61 @@ class IOBuffers:
         return memoryview(anchor).cast("B")
 
 
+class Staged:
+    """A record's file image assembled in an aligned pooled buffer (`IOBuffers.lend`) before
+    it is stored: HEADER_SIZE bytes of room for the header, then the payload, which the
+    receiver fills through `dest` (a server copying a received record out of a client's
+    shared memory or its message parts, hashing as it copies). `payload` is the read-only
+    view a `Record` carries. A tier that knows the record is staged writes the buffer with
+    O_DIRECT as it lies (`LaidOut`), instead of copying the payload into an aligned buffer of
+    its own. The buffer goes back to its pool once every view of it is gone."""
+
+    __slots__ = ("buf", "dest", "payload")
+
+    def __init__(self, buffers: IOBuffers, payload_bytes: int) -> None:
+        if payload_bytes < 0:
+            raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
+        total = HEADER_SIZE + payload_bytes
+        self.buf = buffers.lend(round_up(total, ALIGN))
+        self.dest = self.buf[HEADER_SIZE:total]
+        self.payload = self.dest.toreadonly()
+
+    def laid_out(self, head: Chunk) -> LaidOut:
+        """The chunks (encoded header, payload) of a write from this buffer."""
+        return LaidOut((head, self.payload), self.buf)
+
+
+class LaidOut(tuple):  # type: ignore[type-arg]
+    """Write chunks (encoded header, payload) whose payload already lies in `buf` right after
+    HEADER_SIZE bytes of header room (`Staged`): `_write_direct` copies only the header into
+    place and writes `buf` itself. Anywhere else it is the plain chunks it holds."""
+
+    buf: memoryview
+
+    def __new__(cls, chunks: tuple[Chunk, Chunk], buf: memoryview) -> LaidOut:
+        self = super().__new__(cls, chunks)
+        self.buf = buf
+        return self
+
+
 def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffers) -> None:
     """O_DIRECT write of `chunks` padded to ALIGN, then truncated to `total`.
 
     Skips the page-cache copy and leaves the cache to the host tier. The chunks are copied
-    once, into an aligned buffer of `buffers` (O_DIRECT needs aligned memory).
+    once, into an aligned buffer of `buffers` (O_DIRECT needs aligned memory), unless they
+    are `LaidOut` in one already: then only the header is copied, into its room.
     """
     padded = round_up(total, ALIGN)
-    with buffers.lease(padded) as buf:
-        _write_padded(fd, chunks, total, padded, buf)
+    if isinstance(chunks, LaidOut) and len(chunks) == 2 and len(chunks[0]) == HEADER_SIZE \
+            and len(chunks.buf) >= padded:
+        buf = chunks.buf
+        buf[:HEADER_SIZE] = chunks[0]
+        if padded != total:
+            buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
+        _write_aligned(fd, buf, padded)
+    else:
+        with buffers.lease(padded) as buf:
+            _write_padded(fd, chunks, total, padded, buf)
     if padded != total:
         os.ftruncate(fd, total)
 
@@ -241,6 +287,10 @@ def _write_padded(fd: int, chunks: Sequence[Chunk], total: int, padded: int, buf
         offset += len(view)
     if padded != total:
         buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
+    _write_aligned(fd, buf, padded)
+
+
+def _write_aligned(fd: int, buf: memoryview, padded: int) -> None:
     done = 0
     while done < padded:
         done += os.write(fd, buf[done:padded])

@@ -573,6 +573,7 @@ class SSDTier(Tier):
         self._direct_io_min_bytes = direct_io_min_bytes
         self._max_concurrency = max_concurrency
         self._buffers = _fs.IOBuffers(max_concurrency)  # aligned I/O buffers, one per operation in flight
+        self._staged: dict[int, _fs.Staged] = {}  # id(payload) -> records staged for a put (`staging`)
         self._index: dict[RecordKey, _Entry] = {}
         self._tally: dict[int, _KindTally] = {}
         self._resident_bytes = 0
@@ -821,6 +822,24 @@ class SSDTier(Tier):
             self._puts_in_flight -= 1
             self._last_put_s = asyncio.get_running_loop().time()
 
+    @contextlib.contextmanager
+    def staging(self, payload_bytes: int) -> Iterator[_fs.Staged]:
+        """An aligned buffer to assemble a record's payload in (`tiers._fs.Staged`: fill
+        `dest`, build the Record on `payload`) before it is put: while the context is open a
+        put of that record writes the buffer as it lies, with no copy of the payload. Any
+        other use of the record (another tier, a later read) sees an ordinary read-only view;
+        the buffer returns to the tier's pool once the last view of it is dropped."""
+        staged = _fs.Staged(self._buffers, payload_bytes)
+        self._staged[id(staged.payload)] = staged  # holds `payload`: its id stays its own meanwhile
+        try:
+            yield staged
+        finally:
+            del self._staged[id(staged.payload)]
+
+    def _staged_for(self, record: Record) -> _fs.Staged | None:
+        staged = self._staged.get(id(record.payload)) if self._staged else None
+        return staged if staged is not None and staged.payload is record.payload else None
+
     async def _put_locked(self, key: RecordKey, record: Record) -> bool:
         """put's body, the key held and the gate entered."""
         level = self._zstd_kinds.get(record.header.kind)
@@ -834,7 +853,7 @@ class SSDTier(Tier):
         new_key = key not in self._index
         spare = self._claim_spare() if new_key else None
         try:
-            header = await self._run(self._write_record, record, encoded, new_key, spare)
+            header = await self._run(self._write_record, record, encoded, new_key, spare, self._staged_for(record))
         except OSError as exc:
             self._log_write_failure(key, exc)
             return False
@@ -846,15 +865,16 @@ class SSDTier(Tier):
     def _next_tmp(self, final: str) -> str:
         return f"{final}.{self._tmp_tag}{next(self._tmp_seq)}{TEMP_SUFFIX}"
 
-    def _write_record(self, record: Record, encoded: bytes | None, new_key: bool, spare: str | None) -> RecordHeader:
+    def _write_record(self, record: Record, encoded: bytes | None, new_key: bool, spare: str | None,
+                      staged: _fs.Staged | None = None) -> RecordHeader:
         """Worker thread: checksum, write durably (a new key into its spare, or in place
         without one; a key the index holds through a temp file and a rename), return the
-        header as stored."""
+        header as stored. A `staged` record is written from its buffer as it lies."""
         if encoded is None:
             payload = record.payload
             head = encode_header(record.header, stored_length=len(payload), flags=0,
                                  checksum=record.payload_sum())
-            chunks: tuple[bytes, ...] = (head, payload)
+            chunks: Sequence[bytes | memoryview] = (head, payload) if staged is None else staged.laid_out(head)
         else:
             head, chunks = encoded[:HEADER_SIZE], (encoded,)
         key = record.key
@@ -999,7 +1019,8 @@ class SSDTier(Tier):
         shares = [plan[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(plan)))]
         try:
             results = await asyncio.gather(*(
-                self._run(self._write_share, [(record, new_key, spare) for _, record, _, new_key, spare in share])
+                self._run(self._write_share, [(record, new_key, spare, self._staged_for(record))
+                                              for _, record, _, new_key, spare in share])
                 for share in shares))
         finally:
             for _, _, need, _, _ in plan:
@@ -1014,13 +1035,14 @@ class SSDTier(Tier):
                     out[i] = True
         return out
 
-    def _write_share(self, jobs: Sequence[tuple[Record, bool, str | None]]) -> list[RecordHeader | OSError]:
+    def _write_share(self, jobs: Sequence[tuple[Record, bool, str | None, _fs.Staged | None]]
+                     ) -> list[RecordHeader | OSError]:
         """Worker thread: `_write_record` for each (uncompressed) record; a failed write is
         returned as its error and the share goes on."""
         results: list[RecordHeader | OSError] = []
-        for record, new_key, spare in jobs:
+        for record, new_key, spare, staged in jobs:
             try:
-                results.append(self._write_record(record, None, new_key, spare))
+                results.append(self._write_record(record, None, new_key, spare, staged))
             except OSError as exc:
                 results.append(exc)
         return results

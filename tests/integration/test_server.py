@@ -237,6 +237,18 @@ BAD_STREAMS = {
                      grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"),
     "bad checksum, in parts": (lambda s: chunks_of(record(s), data=corrupt_payload(record(s)), step=1000),
                                grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"),
+    # Records of >= 1 MiB in several messages are assembled in the SSD tier's staging buffers.
+    "bad checksum, large record": (lambda s: chunks_of(record(s, 1, 2 << 20), data=corrupt_payload(record(s, 1, 2 << 20))),
+                                   grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"),
+    "large second record bad": (lambda s: chunks_of(record(s, 3, 2 << 20))
+                                + chunks_of(record(s, 5, 2 << 20), data=corrupt_payload(record(s, 5, 2 << 20))),
+                                grpc.StatusCode.INVALID_ARGUMENT, "record 1 (", "payload checksum mismatch"),
+    "large record, trailing bytes": (lambda s: (lambda r: chunks_of(r, data=encode_record(r) + bytes(4096)))(
+        record(s, 1, 2 << 20)), grpc.StatusCode.INVALID_ARGUMENT, "4096 trailing bytes after the payload"),
+    "large record, truncated": (lambda s: (lambda r: chunks_of(r, data=encode_record(r)[:-4096]))(
+        record(s, 1, 2 << 20)), grpc.StatusCode.INVALID_ARGUMENT, "truncated payload"),
+    "large record, key not the header's": (lambda s: chunks_of(record(s, 1, 2 << 20), key=record(s, 2).key),
+                                           grpc.StatusCode.INVALID_ARGUMENT, "does not match the key"),
     "key not the header's": (lambda s: chunks_of(record(s, 1), key=record(s, 2).key),
                              grpc.StatusCode.INVALID_ARGUMENT, "does not match the key"),
     "unknown kind": (lambda s: chunks_of(record(s, kind=99)), grpc.StatusCode.INVALID_ARGUMENT, "unknown kind 99"),
@@ -264,6 +276,7 @@ async def test_bad_record_stream_is_rejected_and_changes_nothing(case: str, alic
     await assert_rejected(alice.put_raw(make(server)), code, *fragments)
     assert await snapshot(alice) == before
     assert await alice.health() == "SERVING"
+    assert not server.ssd._staged  # every staging buffer was released
 
 
 async def test_message_over_the_limit_is_resource_exhausted(server: StateStoreServer) -> None:

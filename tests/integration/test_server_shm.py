@@ -20,7 +20,7 @@ from statestore.client import ClientOptions, ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.payloads import PayloadPut
 from statestore.server import StateStoreServer
-from statestore.shm import DATA_OFFSET, ShmRegion, ShmWindow, shm_supported
+from statestore.shm import DATA_OFFSET, ShmRegion, ShmSlots, ShmWindow, shm_supported
 from statestore.types import Durability
 from tiers.record import HEADER_SIZE, RecordHeader
 
@@ -210,3 +210,52 @@ async def test_get_with_an_unusable_window_falls_back_to_frames(server: StateSto
             assert not any(k == "x-statestore-shm" for k, _ in await stream.initial_metadata())
             chunks = [m async for m in stream]
         assert chunks[0].start.found and sum(len(m.data) for m in chunks[1:]) == items[0].total_bytes
+
+
+async def test_large_records_in_a_window_are_verified_before_any_is_stored(server: StateStoreServer) -> None:
+    """Records of >= 1 MiB are copied out of the window into the SSD tier's staging buffers and
+    hashed as they are copied: a corrupt second record refuses the whole stream (nothing
+    stored, no staging buffer kept); the same records intact are stored, LOCAL bit-exactly."""
+    async with client(server, 0) as c:
+        fingerprint = await register(c)
+    items = [item(fingerprint, f"staged-{i}", (2 << 20) + 1000 * i) for i in range(2)]
+    region = ShmRegion(16 << 20)
+    try:
+        window = ShmWindow(region.name, region.secret, DATA_OFFSET, 12 << 20)
+        slots = ShmSlots(window)
+        offsets = [slots.take(i.total_bytes) for i in items]
+        for at, i in zip(offsets, items):
+            region.buf[at:at + i.total_bytes] = i.encode_header() + b"".join(bytes(p) for p in i.parts)
+        region.buf[offsets[1] + HEADER_SIZE + 12345] ^= 0x01  # a flipped bit in the second payload
+        exc = await raw_put_records(server, window.to_metadata()[1], items)
+        assert exc is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "record 1 (" in (exc.details() or "") and "payload checksum mismatch" in (exc.details() or "")
+        assert [server.store.meta(i.header.key) for i in items] == [None, None] and not server.ssd._staged
+        region.buf[offsets[1] + HEADER_SIZE + 12345] ^= 0x01
+        assert await raw_put_records(server, window.to_metadata()[1], items) is None
+        assert not server.ssd._staged
+    finally:
+        region.close()
+    async with client(server, 0) as c:
+        records = await c.get_records([i.header.key for i in items])
+    assert [bytes(r.payload) if r else None for r in records] == [b"".join(bytes(p) for p in i.parts) for i in items]
+    for i in items:
+        assert "ssd" in [t.value for t in server.store.meta(i.header.key).tiers]
+
+
+async def raw_put_records(server: StateStoreServer, window_value: str,
+                          items: list[PayloadPut]) -> grpc.aio.AioRpcError | None:
+    """A LOCAL PutRecords of `items`, whose bytes the caller laid out in the window by hand."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_unary("/statestore.v1.StateStore/PutRecords",
+                                    request_serializer=common_pb2.RecordChunk.SerializeToString,
+                                    response_deserializer=statestore_pb2.PutRecordsResponse.FromString)
+        starts = [common_pb2.RecordChunk(start=common_pb2.RecordStart(key=i.header.key, total_bytes=i.total_bytes,
+                                                                      durability=int(Durability.LOCAL)))
+                  for i in items]
+        metadata = (("authorization", f"Bearer {TOKENS['alice']}"), ("x-statestore-shm", window_value))
+        try:
+            await call(iter(starts), metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return None

@@ -22,7 +22,7 @@ import pytest
 
 from tests.proc import freeze
 from tiers._fs import read_header
-from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, make_record
+from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, encode_record, make_record
 from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SSDTier, _KeyLocks
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
@@ -786,3 +786,59 @@ async def test_a_file_system_refusing_o_direct_gets_buffered_io(tmp_path: Path,
         assert len(refused) >= 4  # two writes and two reads asked for O_DIRECT
     finally:
         await tier.aclose()
+
+
+@pytest.mark.parametrize("size", [300_000, 2 * LEND_MIN_BYTES + 5, 4 * LEND_MIN_BYTES])
+async def test_a_staged_record_is_written_from_its_buffer_bit_exactly(tmp_path: Path, size: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record assembled in `SSDTier.staging` is written from that buffer as it lies (no lease
+    of another aligned buffer, no copy of the payload): the file is the record's encoding, the
+    stale bytes past it in the buffer never reach the disk, a restart and a get read it back;
+    once the context closes the same payload is an ordinary view and is copied as any other."""
+    tier = await SSDTier.create(tmp_path / "ssd", max_concurrency=1)
+    leases: list[int] = []
+    real_lease = tier._buffers.lease
+
+    def counting_lease(nbytes: int):  # type: ignore[no-untyped-def]
+        leases.append(nbytes)
+        return real_lease(nbytes)
+
+    monkeypatch.setattr(tier._buffers, "lease", counting_lease)
+    want = rec(1, size)
+    try:
+        with tier.staging(size) as staged:
+            staged.buf[:] = b"\xee" * len(staged.buf)  # stale bytes from an earlier use of the buffer
+            staged.dest[:] = want.payload
+            record = Record(want.header, staged.payload, want.checksum)
+            assert tier._staged_for(record) is staged
+            assert tier._staged_for(Record(want.header, want.payload)) is None  # equal bytes, not staged
+            assert await tier.put(record)
+            assert leases == []  # written from the staged buffer
+        assert tier._staged_for(record) is None and not tier._staged
+        assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+        assert_same(await tier.get(want.key), want)
+        leases.clear()
+        assert await tier.put(Record(want.header, staged.payload, want.checksum))  # after the context: a copy
+        assert len(leases) == 1
+        tier = await reopen(tier)
+        assert_same(await tier.get(want.key), want)
+    finally:
+        await tier.aclose()
+
+
+async def test_a_failed_staged_write_leaves_nothing(tier: SSDTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged put whose O_DIRECT write fails is refused (False), leaves no file and no index
+    entry, and the buffer is released with the context."""
+    want = rec(2, 2 * LEND_MIN_BYTES)
+    real_write = os.write
+
+    def failing_write(fd: int, data: object) -> int:
+        raise OSError(errno.EIO, "injected write error")
+
+    with tier.staging(len(want.payload)) as staged:
+        staged.dest[:] = want.payload
+        monkeypatch.setattr(os, "write", failing_write)
+        assert not await tier.put(Record(want.header, staged.payload, want.checksum))
+        monkeypatch.setattr(os, "write", real_write)
+    assert not tier._staged and await tier.contains([want.key]) == [False]
+    assert files_under(tier._layout.root) == []
