@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -334,6 +335,36 @@ class HeaderCache:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = (bytes(buf[:HEADER_SIZE]), header, checksum)
         return header, checksum
+
+    def decode_many(self, values: Sequence[bytes | None], keys: Sequence[bytes]) -> list[Record | RecordError | None]:
+        """`decode_record(value, expect_key=key, headers=self)` for each pair, in one loop: a
+        batch read's per-record calls cost as much as the checks (~0.5 of ~1.5 µs for 4 KiB).
+        None stays None; a value that does not decode gives its RecordError, not a raise, so
+        one corrupt value does not hide the others."""
+        out: list[Record | RecordError | None] = []
+        entries, digest = self._entries, xxhash.xxh3_64_intdigest
+        for key, value in zip(keys, values):
+            hit = entries.get(key) if type(value) is bytes else None
+            if hit is not None and value[:HEADER_SIZE] == hit[0]:  # type: ignore[index]
+                header = hit[1]
+                if (len(value) == HEADER_SIZE + header.stored_length and not header.flags  # type: ignore[arg-type]
+                        and header.key == key):
+                    payload = value[HEADER_SIZE:]  # type: ignore[index]
+                    if digest(payload) == hit[2]:
+                        record = _new(Record)
+                        _RECORD_HEADER_SET(record, header)
+                        _RECORD_PAYLOAD_SET(record, payload)
+                        _RECORD_CHECKSUM_SET(record, hit[2])
+                        out.append(record)
+                        continue
+            if value is None:
+                out.append(None)
+                continue
+            try:  # not cached, or anything to report: the full path says what is wrong
+                out.append(decode_record(value, expect_key=key, headers=self))
+            except RecordError as exc:
+                out.append(exc)
+        return out
 
 
 def decode_record(

@@ -407,19 +407,15 @@ class RedisTier(Tier):
         if values is UNAVAILABLE:
             return [None] * len(keys)
         out: list[Record | None] = []
-        known, headers = self._known.get, self._headers
-        for k, v in zip(keys, values):
-            if v is not None and len(v) < OFFLOAD_BYTES:  # the common case, without a coroutine per value
-                try:
-                    record = decode_record(v, expect_key=k, headers=headers)
-                except RecordError:
-                    out.append(await self._verified(k, v))  # logs, deletes the corrupt value
-                    continue
-                if known(k) != (record.header.kind, len(v)):  # `_track`'s test, without its call
-                    self._track(k, record.header.kind, len(v))
-                out.append(record)
-            else:
-                out.append(await self._verified(k, v))
+        known = self._known.get
+        small = [v if v is None or len(v) < OFFLOAD_BYTES else None for v in values]  # decoded on the loop
+        for k, v, got in zip(keys, values, self._headers.decode_many(small, keys)):
+            if type(got) is Record:  # the common case, without a coroutine per value
+                if known(k) != (got.header.kind, len(v)):  # `_track`'s test, without its call
+                    self._track(k, got.header.kind, len(v))
+                out.append(got)
+            else:  # a miss, a large value (decoded off the loop), or one that did not decode
+                out.append(await self._verified(k, v))  # logs and deletes a corrupt value
         return out
 
     async def delete(self, key: RecordKey) -> bool:

@@ -290,3 +290,36 @@ def test_header_cache_decodes_as_decode_header_and_stays_bounded(picks: list[tup
             cache.decode(bytes(bad), records[i][v].key)
     with pytest.raises(RecordError, match="truncated header"):
         cache.decode(encode_record(records[i][v])[:HEADER_SIZE - 1], records[i][v].key)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(-2, 80)), min_size=1, max_size=16))
+def test_header_cache_decode_many_equals_decode_record(picks: list[tuple[int, int, int]]) -> None:
+    """decode_many gives, value by value, what decode_record gives under the same key: the same
+    record for a good value (cached header or not, across a key's two versions), the RecordError
+    for a value corrupted anywhere or read under another key, None for None, never a raise."""
+    from tiers.record import HeaderCache
+
+    cache = HeaderCache(max_entries=3)
+    records = [[make_record(1, 0, bytes([i, v]) * (10 + i), model_fingerprint=FINGERPRINT, tenant_id=TENANT,
+                            block_key=bytes([i]) * 32) for v in range(2)] for i in range(4)]
+    keys, values = [], []
+    for i, v, flip in picks:
+        value = bytearray(encode_record(records[i][v]))
+        if flip >= 0:
+            value[(flip * 7) % len(value)] ^= 0x20  # header or payload
+        keys.append(records[(i + 1) % 4][v].key if flip == -2 else records[i][v].key)  # -2: another key's name
+        values.append(None if flip == -1 and v else bytes(value))
+    for _ in range(2):  # cold, then with what the first pass cached
+        got = cache.decode_many(values, keys)
+        assert len(got) == len(values)
+        for key, value, g in zip(keys, values, got):
+            if value is None:
+                assert g is None
+                continue
+            try:
+                want: object = decode_record(value, expect_key=key)
+            except RecordError as exc:
+                assert isinstance(g, RecordError) and type(g) is type(exc)
+            else:
+                assert g == want and g.payload == want.payload
