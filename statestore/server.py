@@ -51,7 +51,7 @@ from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.metrics import ServiceMetrics, kind_name
 from statestore.quotas import QuotaExceeded, TenantQuotas
 from statestore.shm import (ATTACHED, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable, ShmWindow, slot_views,
-                            write_slot)
+                            write_slot, write_slot_header)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.wire import (OFFLOAD_BYTES, PartsChecksum, copy_hashed, encoded_size, frame_slices,
                              join_parts_off_loop, record_frames, split_data_frame)
@@ -355,6 +355,7 @@ class _Reassembler:
         return self.done
 
 
+_DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
 STAGE_MIN_BYTES = 1 << 20  # records this large are assembled in the SSD tier's aligned buffers (`_Stager`)
 MAX_STAGED_PER_CALL = 8  # beyond these (per PutRecords call) records are joined in the heap
 
@@ -647,6 +648,15 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                         sent_bytes += total
                         continue
                     record = got
+                elif slots is not None and self._owner.ssd is not None:
+                    record, delivered = await self._get_delivering(key, tenant, tid, slots, shm_buf)
+                    if delivered:  # the SSD tier read it straight into its slot: only its header is left
+                        total = encoded_size(record)
+                        write_slot_header(shm_buf, slots.take(total), record)
+                        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total,
+                                                                                  found=True))
+                        sent_bytes += total
+                        continue
                 else:
                     record = await self._store.get(key, expect_tenant=tid)
                 if record is None:
@@ -667,6 +677,25 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 sent_bytes += total
         finally:  # once per call, not per record: the counter takes a lock
             self._calls.metrics.bytes_moved.labels("out").inc(sent_bytes)
+
+    async def _get_delivering(self, key: bytes, tenant: str, tid: bytes, slots: ShmSlots,
+                              shm_buf: Any) -> tuple[Record | None, bool]:
+        """`store.get` for a shared-memory GetRecords: when the caller's record would fit the
+        window's next slot, the SSD tier (if it reads it from the disk) copies the payload
+        into that slot piece by piece while it reads the rest (`SSDTier.reading_into`), instead
+        of the whole payload being copied after the read. Returns the record and whether its
+        verified payload is in the slot (the slot is not taken yet either way)."""
+        meta = self._owned(key, tenant)
+        at = slots.peek(meta.size_bytes) if meta is not None and meta.size_bytes >= _DELIVER_MIN_BYTES else None
+        if at is None:
+            return await self._store.get(key, expect_tenant=tid), False
+        dest = memoryview(shm_buf)[at + HEADER_SIZE:at + meta.size_bytes]
+        try:
+            with self._owner.ssd.reading_into(key, dest, tid) as target:
+                record = await self._store.get(key, expect_tenant=tid)
+        finally:
+            dest.release()
+        return record, record is not None and target.filled and encoded_size(record) == meta.size_bytes
 
     async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
         keys = _keys(request.keys, "keys")

@@ -107,6 +107,10 @@ class ShmSlots:
         self._next = window.offset
         self.num_used = 0
 
+    def peek(self, total_bytes: int) -> int | None:
+        """Where the next record of `total_bytes` would go (None: it does not fit the rest), without taking it."""
+        return self._next if self._next + total_bytes <= self.window.offset + self.window.length else None
+
     def take(self, total_bytes: int) -> int | None:
         """The offset of the next record of `total_bytes`, or None if it does not fit the rest."""
         end = self.window.offset + self.window.length
@@ -234,15 +238,22 @@ def slot_views(buf: mmap.mmap, window: ShmWindow, totals: Sequence[int]) -> list
     return views
 
 
-def _write_slot(buf: mmap.mmap, offset: int, record: Record) -> None:
+def _write_slot(buf: mmap.mmap, offset: int, record: Record, *, header_only: bool = False) -> None:
     payload = record.payload
     header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=record.payload_sum())
     view = memoryview(buf)
     try:
         view[offset:offset + HEADER_SIZE] = header
-        view[offset + HEADER_SIZE:offset + HEADER_SIZE + len(payload)] = payload
+        if not header_only:
+            view[offset + HEADER_SIZE:offset + HEADER_SIZE + len(payload)] = payload
     finally:
         view.release()
+
+
+def write_slot_header(buf: mmap.mmap, offset: int, record: Record) -> None:
+    """Encode only the header of a record whose payload already lies in its slot (a tier
+    delivered it there while reading it, `SSDTier.reading_into`)."""
+    _write_slot(buf, offset, record, header_only=True)
 
 
 async def write_slot(buf: mmap.mmap, offset: int, record: Record) -> None:

@@ -78,6 +78,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
+from typing import Any
 
 from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header
 
@@ -294,6 +295,18 @@ def _write_aligned(fd: int, buf: memoryview, padded: int) -> None:
     done = 0
     while done < padded:
         done += os.write(fd, buf[done:padded])
+
+
+COPY_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in cache (L2-sized)
+
+
+def copy_hashing(dest: memoryview, src: memoryview, hasher: Any) -> None:
+    """Copy `src` into `dest` (as long) block by block, hashing each block of `src` right
+    after its copy, while it is in cache (one pass over memory instead of two)."""
+    for start in range(0, len(src), COPY_BLOCK_BYTES):
+        block = src[start:start + COPY_BLOCK_BYTES]
+        dest[start:start + len(block)] = block
+        hasher.update(block)
 
 
 def make_spares(directory: str | Path, names: Sequence[str], sync: bool = True) -> list[str]:

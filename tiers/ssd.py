@@ -58,12 +58,13 @@ import secrets
 import stat
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiofiles.os
+import xxhash
 
 from tiers import _fs
 from tiers._hop import Workers
@@ -111,6 +112,12 @@ OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 # a copy would allocate one). Below it a view would pin a 2 MiB buffer per small record held,
 # and the copy costs little.
 LEND_MIN_BYTES = 1 << 20
+# A get with a delivery target (`SSDTier.reading_into`) of a record at least this large reads
+# it in pieces of READ_PIECE_BYTES and copies each piece into the target on a helper thread
+# while the next piece is read. On the development VM one 32 MiB O_DIRECT read took 12.2 ms
+# and 4 MiB pieces back to back 13.0 ms, against ~3 ms of copy and ~1 ms of hash then hidden.
+DELIVER_MIN_BYTES = 4 << 20
+READ_PIECE_BYTES = 4 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
 # up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
@@ -397,6 +404,111 @@ def _read_verified(fd: int, key: RecordKey, file_bytes: int, buf: memoryview, ke
 
 
 @dataclass(slots=True)
+class ReadTarget:
+    """Where a get of `key` delivers the payload as it reads it (`SSDTier.reading_into`).
+
+    `filled` turns True only when the get read the record from the disk, its header matched
+    (key, `expect_tenant`, uncompressed, `len(dest)` payload bytes) and its payload checksum
+    verified over exactly the bytes copied into `dest`; else `dest` may hold anything of that
+    record (never another tenant's bytes: the header is checked before the first copy)."""
+
+    key: RecordKey
+    dest: memoryview
+    expect_tenant: bytes | None
+    filled: bool = False
+
+
+def _read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
+                      target: ReadTarget, helpers: ThreadPoolExecutor) -> _ReadResult:
+    """`_read_record` (lending the buffer) that also delivers the payload into `target`: the file
+    is read in pieces, and each piece is copied into `target.dest` and hashed on a helper thread
+    while the next one is read. Anything unusual (a header that does not match, a short or long
+    file, a checksum mismatch) leaves the target unfilled and ends as `_read_verified` ends."""
+    try:
+        fd = _fs.open_for_read(path, direct=direct)
+    except FileNotFoundError:
+        return _ReadResult(None, missing=True)
+    except OSError as exc:
+        return _ReadResult(None, error=exc)
+    try:
+        buf = buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN))
+        try:
+            view, checksum = _read_delivering(fd, file_bytes, buf, target, helpers)
+        except OSError as exc:
+            return _ReadResult(None, error=exc)
+        if target.filled:
+            header, _ = decode_header(view[:HEADER_SIZE])
+            return _ReadResult(Record(header, view[HEADER_SIZE:].toreadonly(), checksum))
+        try:
+            return _ReadResult(decode_record(view, expect_key=key, keep_view=True))
+        except RecordError as exc:
+            return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
+    finally:
+        os.close(fd)
+
+
+def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarget,
+                     helpers: ThreadPoolExecutor) -> tuple[memoryview, int]:
+    """Read up to `file_bytes + 1` bytes into `buf` in pieces (aligned offsets, as O_DIRECT
+    wants), delivering each into the target once the first showed a matching header; returns
+    the bytes read and the header's payload checksum. Sets `target.filled` when the whole
+    payload was delivered and its hash is the header's."""
+    want = file_bytes + 1
+    view = buf[: _fs.round_up(want, _fs.ALIGN)]
+    hasher = None
+    checksum = 0
+    pending: Future[None] | None = None
+    got = 0
+    try:
+        for lo in range(0, len(view), READ_PIECE_BYTES):
+            hi = min(len(view), lo + READ_PIECE_BYTES)
+            got = lo + _read_range(fd, view, lo, hi)
+            if lo == 0:
+                checksum = _delivery_header(view[:got], file_bytes, target)
+                hasher = xxhash.xxh3_64() if checksum is not None else None
+            if hasher is not None:
+                if pending is not None:
+                    pending.result()
+                start, stop = max(lo, HEADER_SIZE), min(got, file_bytes)
+                if stop > start:
+                    pending = helpers.submit(_fs.copy_hashing, target.dest[start - HEADER_SIZE:stop - HEADER_SIZE],
+                                             view[start:stop], hasher)
+            if got < hi:
+                break
+    finally:
+        if pending is not None:
+            pending.result()
+    data = view[: min(got, want)]
+    if hasher is not None and got == file_bytes and hasher.intdigest() == checksum:
+        target.filled = True
+    return data, checksum or 0
+
+
+def _read_range(fd: int, view: memoryview, lo: int, hi: int) -> int:
+    """Bytes read into view[lo:hi] from file offset `lo`; fewer only at end of file."""
+    got = lo
+    while got < hi:
+        n = os.preadv(fd, [view[got:hi]], got)
+        got += n
+        if n == 0 or got % _fs.ALIGN:
+            break
+    return got - lo
+
+
+def _delivery_header(head: memoryview, file_bytes: int, target: ReadTarget) -> int | None:
+    """The payload checksum when the record's header allows delivering it into `target`, else None."""
+    try:
+        header, checksum = decode_header(head[:HEADER_SIZE])
+    except RecordError:
+        return None
+    if header.key != target.key or header.flags or HEADER_SIZE + header.stored_length != file_bytes \
+            or len(target.dest) != header.stored_length \
+            or (target.expect_tenant is not None and header.tenant_id != target.expect_tenant):
+        return None
+    return checksum
+
+
+@dataclass(slots=True)
 class _DirScan:
     entries: list[tuple[RecordKey, RecordHeader, int]] = dataclasses.field(default_factory=list)
     discarded: list[str] = dataclasses.field(default_factory=list)
@@ -574,6 +686,7 @@ class SSDTier(Tier):
         self._max_concurrency = max_concurrency
         self._buffers = _fs.IOBuffers(max_concurrency)  # aligned I/O buffers, one per operation in flight
         self._staged: dict[int, _fs.Staged] = {}  # id(payload) -> records staged for a put (`staging`)
+        self._targets: dict[RecordKey, ReadTarget] = {}  # key -> where a get delivers it (`reading_into`)
         self._index: dict[RecordKey, _Entry] = {}
         self._tally: dict[int, _KindTally] = {}
         self._resident_bytes = 0
@@ -592,7 +705,7 @@ class SSDTier(Tier):
         self._locks = _KeyLocks()
         self._lock_fd: int | None = None
         self._workers: Workers | None = None
-        self._dir_sync: ThreadPoolExecutor | None = None  # directory fsyncs of large new records
+        self._helpers: ThreadPoolExecutor | None = None  # directory fsyncs, spare refills, get deliveries
         self.last_scan: ScanResult | None = None
         self._scan_mark: int | None = None  # gate.mutations when open()'s scan finished; None once reported
 
@@ -615,7 +728,7 @@ class SSDTier(Tier):
         """Lock the directory and rebuild the index from it. Returns what the scan found."""
         if self._workers is None:
             self._workers = Workers(self._max_concurrency, "ssd-tier")
-            self._dir_sync = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier-dirsync")
+            self._helpers = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier-helper")
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
@@ -670,9 +783,9 @@ class SSDTier(Tier):
         if self._workers is not None:
             self._workers.shutdown()  # operations still queued finish on their own
             self._workers = None
-        if self._dir_sync is not None:
-            self._dir_sync.shutdown(wait=False)
-            self._dir_sync = None
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
+            self._helpers = None
 
     def _check_open(self) -> None:
         if self._lock_fd is None:
@@ -730,16 +843,16 @@ class SSDTier(Tier):
             async with self._gate.mutation(changes_index=False):
                 missing = pool.target - len(pool.ready)
                 try:
-                    while len(made) < missing and not self._closing and self._dir_sync is not None:
+                    while len(made) < missing and not self._closing and self._helpers is not None:
                         names = [f"{self._tmp_tag}{next(self._spare_seq):x}{SPARE_SUFFIX}"
                                  for _ in range(min(SPARE_CHUNK, missing - len(made)))]
-                        made += await loop.run_in_executor(self._dir_sync, _fs.make_spares,
+                        made += await loop.run_in_executor(self._helpers, _fs.make_spares,
                                                            str(self._layout.spares_dir), names, False)
                 except OSError as exc:
                     logger.warning("ssd spare files not made (%s): new keys fsync their directory until "
                                    "there are", exc)
-                if made and self._dir_sync is not None:  # closing: made but unsynced, the next scan takes them
-                    await loop.run_in_executor(self._dir_sync, _fs.fsync_dir, self._layout.spares_dir)
+                if made and self._helpers is not None:  # closing: made but unsynced, the next scan takes them
+                    await loop.run_in_executor(self._helpers, _fs.fsync_dir, self._layout.spares_dir)
                     pool.ready.extend(made)  # durable names from here on
                     pool.ran_low = False
         except OSError as exc:
@@ -893,7 +1006,7 @@ class SSDTier(Tier):
             except FileNotFoundError:  # the spare is gone (removed behind the tier's back)
                 logger.warning("ssd spare %s vanished; %s written without it", spare, key.hex())
         if not written:
-            dir_sync = self._dir_sync if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
+            dir_sync = self._helpers if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
             if not (new_key and _fs.write_new(final, chunks, direct=direct, buffers=self._buffers, dir_sync=dir_sync)):
                 _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct, buffers=self._buffers)
         stored, _ = decode_header(head)
@@ -911,8 +1024,32 @@ class SSDTier(Tier):
         if entry is None:
             return None
         path = self._layout.path_str(key)
-        result = await self._run(_read_record, path, key, entry.file_bytes, *self._read_mode(entry), self._buffers)
+        target = self._targets.get(key) if self._targets else None
+        if target is not None and entry.file_bytes >= DELIVER_MIN_BYTES and self._helpers is not None:
+            result = await self._run(_read_record_into, path, key, entry.file_bytes, self._read_direct(entry),
+                                     self._buffers, target, self._helpers)
+        else:
+            result = await self._run(_read_record, path, key, entry.file_bytes, *self._read_mode(entry), self._buffers)
         return result.record if result.record is not None else await self._finish_get(key, path, result)
+
+    @contextlib.contextmanager
+    def reading_into(self, key: RecordKey, dest: memoryview, expect_tenant: bytes | None = None
+                     ) -> Iterator[ReadTarget]:
+        """While open, a `get` of `key` that reads a large record from the disk also copies its
+        payload into `dest` (`len(dest)` must be the payload's length), piece by piece as the
+        pieces arrive, hashing what it copies; `filled` then says whether `dest` holds the
+        verified payload of the record returned. For a reader that wants the payload elsewhere
+        (a client's shared memory): the copy overlaps the read instead of following it. A key
+        that already has a target (another call reading it) gets one that is never filled."""
+        target = ReadTarget(key, dest, expect_tenant)
+        if key in self._targets:
+            yield target
+            return
+        self._targets[key] = target
+        try:
+            yield target
+        finally:
+            del self._targets[key]
 
     def _read_direct(self, entry: _Entry) -> bool:
         limit = self._direct_io_min_bytes

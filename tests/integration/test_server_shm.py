@@ -21,7 +21,7 @@ from statestore.config import ServiceConfig
 from statestore.payloads import PayloadPut
 from statestore.server import StateStoreServer
 from statestore.shm import DATA_OFFSET, ShmRegion, ShmSlots, ShmWindow, shm_supported
-from statestore.types import Durability
+from statestore.types import Durability, TierName
 from tiers.record import HEADER_SIZE, RecordHeader
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm_supported(), reason="memfd is Linux-only")]
@@ -259,3 +259,25 @@ async def raw_put_records(server: StateStoreServer, window_value: str,
         except grpc.aio.AioRpcError as exc:
             return exc
         return None
+
+
+async def test_large_ssd_records_come_through_the_window_and_stay_the_tenants_own(server: StateStoreServer) -> None:
+    """Gets of records on the SSD tier that fit the window: the tier copies each payload into
+    its slot as it reads it (`SSDTier.reading_into`); the bytes arrive verified and bit-exact,
+    also several in one call; another tenant asking for the same keys gets misses and nothing
+    of them lands in its window."""
+    async with client(server, 64 << 20) as alice, client(server, 64 << 20, "bob") as bob:
+        fingerprint = await register(alice)
+        await register(bob)
+        items = [item(fingerprint, f"delivered-{i}", (5 << 20) + 4099 * i) for i in range(3)]
+        await alice.put_payloads(items, Durability.LOCAL)
+        keys = [i.header.key for i in items]
+        await alice.evict(keys, ["host"], force=True)  # read back from the SSD tier
+        assert all(server.store.meta(k).tiers == {TierName.SSD} for k in keys)
+        sink = Sink(items)
+        assert await alice.get_payloads_into(keys, sink) == [True] * 3 and alice.shm_active
+        assert [bytes(sink.bodies[i]) for i in range(3)] == [bytes(i.parts[1]) for i in items]
+        assert not server.ssd._targets
+        assert await bob.get_payloads_into(keys, Sink(items)) == [False] * 3 and bob.shm_active
+        region = bob._transport._region  # bob's own shared memory: none of alice's bytes went there
+        assert bytes(items[0].parts[1][:4096]) not in bytes(region.buf)

@@ -842,3 +842,36 @@ async def test_a_failed_staged_write_leaves_nothing(tier: SSDTier, monkeypatch: 
         monkeypatch.setattr(os, "write", real_write)
     assert not tier._staged and await tier.contains([want.key]) == [False]
     assert files_under(tier._layout.root) == []
+
+
+async def test_a_get_delivers_into_a_registered_target_while_it_reads(tier: SSDTier) -> None:
+    """`reading_into`: a get of a large record copies its payload into the target as it reads
+    (filled, bit-exact, the record returned as usual); a record of another tenant is not
+    copied at all; a corrupt one leaves the target unfilled and is quarantined; small records,
+    a second target for a key already targeted and gets after the context are not delivered."""
+    from tiers.ssd import DELIVER_MIN_BYTES, READ_PIECE_BYTES
+
+    big = rec(1, 2 * READ_PIECE_BYTES + 12345)
+    small = rec(2, DELIVER_MIN_BYTES // 2)
+    assert await tier.put_many([big, small]) == [True, True]
+    dest = bytearray(len(big.payload))
+    with tier.reading_into(big.key, memoryview(dest), b"T" * 16) as target:
+        with tier.reading_into(big.key, memoryview(bytearray(len(big.payload)))) as second:
+            assert_same(await tier.get(big.key), big)
+    assert target.filled and bytes(dest) == big.payload and not second.filled and not tier._targets
+    other = bytearray(len(big.payload))
+    with tier.reading_into(big.key, memoryview(other), b"U" * 16) as target:  # another tenant asks
+        assert_same(await tier.get(big.key), big)  # the tier serves the record; the store checks the tenant
+    assert not target.filled and other == bytearray(len(big.payload))  # nothing of it was copied
+    with tier.reading_into(small.key, memoryview(bytearray(len(small.payload)))) as target:
+        assert_same(await tier.get(small.key), small)
+    assert not target.filled
+    path = record_path(tier._layout.root, big)
+    with open(path, "r+b") as f:  # a flipped bit in the last piece
+        f.seek(HEADER_SIZE + 2 * READ_PIECE_BYTES + 100)
+        byte = f.read(1)[0]
+        f.seek(HEADER_SIZE + 2 * READ_PIECE_BYTES + 100)
+        f.write(bytes([byte ^ 0x04]))
+    with tier.reading_into(big.key, memoryview(bytearray(len(big.payload)))) as target:
+        assert await tier.get(big.key) is None
+    assert not target.filled and not path.exists() and await tier.contains([big.key]) == [False]
