@@ -72,6 +72,27 @@ def test_reuse_is_learned_per_chain_context_and_shrunk_towards_the_count_only_od
     assert table[1, inner][1] == 300 and table[1, tail][1] == 300
 
 
+def test_a_context_seen_a_few_times_already_moves_away_from_the_count_only_odds() -> None:
+    """Six resolved reads of a context, all of them read again, outweigh the count-only odds
+    (about one half here): a context is told apart early in a workload, not after dozens."""
+    est = ReuseEstimator()
+    inner = chain_context(40, 5)
+    for i in range(40):  # reads in no chain: every other one comes back 10 s later
+        k = b"n" + i.to_bytes(4, "big")
+        est.observe(k, ALICE, float(i))
+        if i % 2 == 0:
+            est.observe(k, ALICE, i + 10.0)
+    for i in range(6):
+        k = b"c" + i.to_bytes(4, "big")
+        est.observe(k, ALICE, 100.0 + i, inner)
+        est.observe(k, ALICE, 110.0 + i, inner)
+    est.observe(b"later", ALICE, 2000.0)  # resolves every open question
+    base = est.p_next(ALICE, 1)
+    assert 0.5 < base < 0.6  # 26 of 46 first reads came back
+    assert est.p_next(ALICE, 1, inner) > 0.85  # (6 + 2 x base) / (6 + 2); at 8 pseudo-counts it was 0.75
+    assert est.context_table(ALICE)[1, inner] == (pytest.approx(est.p_next(ALICE, 1, inner)), 6)
+
+
 # ----- decisions --------------------------------------------------------------------------------------
 
 def trained_policy() -> CostAwarePolicy:
