@@ -62,6 +62,7 @@ from statestore.cost_policy import CostAwarePolicy
 from statestore.keys import hash_block
 from statestore.policy import LRUPolicy, PlacementPolicy, required_tier
 from statestore.profile import CostProfile, EngineProfile, ProfileError, default_profile_path
+from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context
 from statestore.store import BudgetExceeded, StoreConfig, TieredStore
 from statestore.types import Durability, PlacementDecision, StateMeta, TierCost, TierName, TierProfile
 from tiers.record import HEADER_SIZE, Record, RecordKey, make_record, make_record_key
@@ -170,6 +171,52 @@ def make_policy(name: str, profile: CostProfile) -> tuple[PlacementPolicy, Layou
     raise ValueError(f"unknown policy {name!r}")
 
 
+# ----- the hindsight ceiling (a diagnostic, never a policy) -------------------------------------------
+
+HINDSIGHT = "cost-hindsight"
+
+
+def hindsight_odds(requests: Sequence[Request], max_rank: int = ReuseConfig().max_rank) -> dict[tuple[int, int], float]:
+    """P(read again | reads so far, capped at `max_rank`; chain context) over the WHOLE trace.
+
+    The cells are the cost policy's own (`chain_context` of each read, as its `on_lookup`
+    labels it), so a run with these odds shows what the policy's ranking could reach if its
+    estimator knew every cell's outcome from the start: the ceiling of learning these odds
+    online, not of the policy. Cell (n, NO_CONTEXT) is the count-only odds. Laplace-smoothed.
+    """
+    seen: dict[int, int] = {}
+    events: list[tuple[float, int, int, int]] = []  # (time, hash id, rank, context)
+    for req in requests:
+        known_root = seen.get(req.hash_ids[0], 0) > 0
+        for i, h in enumerate(req.hash_ids):
+            extends = known_root and i > 0 and seen.get(h, 0) == 0
+            seen[h] = seen.get(h, 0) + 1
+            events.append((req.t_s, h, min(seen[h], max_rank), chain_context(len(req.hash_ids), i, extends)))
+    # An access is reused iff a later access of the same block exists: it is not that block's last.
+    last_index = {h: j for j, (_, h, _, _) in enumerate(events)}
+    counts: dict[tuple[int, int], list[int]] = {}
+    for j, (_, h, rank, context) in enumerate(events):
+        reused = int(last_index[h] != j)
+        for cell in ((rank, context), (rank, NO_CONTEXT)):
+            c = counts.setdefault(cell, [0, 0])
+            c[0] += 1
+            c[1] += reused
+    return {cell: (hits + 0.5) / (n + 1) for cell, (n, hits) in counts.items()}
+
+
+class HindsightReuse(ReuseEstimator):
+    """A `ReuseEstimator` whose P(next) comes from `hindsight_odds` (future knowledge); the gap
+    distribution and everything else are still learned online. For the ceiling run only."""
+
+    def __init__(self, config: ReuseConfig, odds: dict[tuple[int, int], float]) -> None:
+        super().__init__(config)
+        self._odds = odds
+
+    def p_next(self, tenant: bytes, count: int, context: int = NO_CONTEXT) -> float:
+        n = self._rank(max(1, count))
+        return self._odds.get((n, context), self._odds.get((n, NO_CONTEXT), self.config.prior_p_next))
+
+
 # ----- one simulated run -----------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -270,7 +317,12 @@ class Simulator:
     async def run(self, name: str, host_gib: float, ssd_gib: float) -> RunResult:
         if name == "recompute":
             return self.recompute(host_gib, ssd_gib)
-        policy, layout = make_policy(name, self.profile)
+        if name == HINDSIGHT:
+            cost_policy = CostAwarePolicy(self.profile)
+            cost_policy.reuse = HindsightReuse(cost_policy.config.reuse, hindsight_odds(self.requests))
+            policy, layout = cost_policy, OURS
+        else:
+            policy, layout = make_policy(name, self.profile)
         page_sizes = {GLOBAL: layout.block_bytes, RING: layout.ring_bytes or 4096}
         # One page per slab: a freed page returns its slab at once, so the ring kind is never
         # starved by free pages cached in the block kind's slabs (the accounting stays exact).
@@ -457,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="use only the first N requests")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--jobs", type=int, default=2, help="simulate cases in this many processes")
+    ap.add_argument("--no-hindsight", dest="hindsight", action="store_false",
+                    help="skip the diagnostic runs of the cost policy with hindsight reuse odds")
     args = ap.parse_args(argv)
 
     trace = args.trace or default_trace_path()
@@ -483,6 +537,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "lru-ours" in args.policies and "lru-all" in args.policies:
         results += extend_for_floor(sim, results, requests, host_budgets)
     floors, notes = compute_floors(results, requests, host_budgets, ssd_options)
+    ceiling = []
+    if args.hindsight and "cost" in args.policies and "lru-ours" in args.policies:
+        ceiling = hindsight_ceiling(sim, results, host_budgets, args.jobs)
+        notes.append(describe_ceiling(ceiling))
     for note in notes:
         print(note)
     print_floors(floors)
@@ -496,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "engine": profile.to_dict()["engine"],
               "tiers": {t.value: {"latency_s": tp.latency_s, "bandwidth_bytes_per_s": tp.bandwidth_bytes_per_s}
                         for t, tp in profile.tier_profiles().items()},
-              "notes": notes}
+              "notes": notes, "hindsight_ceiling": ceiling}
     path = write_results("trace_quick" if args.quick else "trace", device="cpu", params=params, rows=rows,
                          floors=floors)
     print(f"wrote {path} and {png}")
@@ -538,6 +596,28 @@ def run_jobs(sim: Simulator, jobs: Sequence[tuple[str, float, float]], num_jobs:
             results.append(f.result())
             report(results[-1])
     return results
+
+
+def hindsight_ceiling(sim: Simulator, results: Sequence[RunResult], host_budgets: Sequence[float],
+                      num_jobs: int) -> list[dict[str, Any]]:
+    """Host-only runs of the cost policy with `hindsight_odds`: per budget, its mean TTFT and
+    gain over LRU-ours next to the online policy's (a ceiling of learning the odds online)."""
+    by = {(r.policy, r.host_gib): r.row() for r in results if not r.ssd_gib}
+    runs = run_jobs(sim, [(HINDSIGHT, h, 0.0) for h in host_budgets], num_jobs)
+    out = []
+    for r in runs:
+        row, lru, cost = r.row(), by["lru-ours", r.host_gib], by["cost", r.host_gib]
+        out.append({"host_gib": r.host_gib, "ttft_mean_s": row["ttft_mean_s"], "hit_rate": row["hit_rate"],
+                    "gain_vs_lru_ours": 1 - row["ttft_mean_s"] / lru["ttft_mean_s"],
+                    "online_gain_vs_lru_ours": 1 - cost["ttft_mean_s"] / lru["ttft_mean_s"]})
+    return out
+
+
+def describe_ceiling(ceiling: Sequence[dict[str, Any]]) -> str:
+    gains = ", ".join(f"{c['host_gib']:g} GiB {c['gain_vs_lru_ours']:+.1%} (online {c['online_gain_vs_lru_ours']:+.1%})"
+                      for c in ceiling)
+    return ("ceiling (diagnostic, future knowledge): the cost policy with each (reads, chain context) cell's reuse "
+            f"odds taken from the whole trace, host only, gain over LRU-ours: {gains}")
 
 
 def extend_for_floor(sim: Simulator, results: Sequence[RunResult], requests: Sequence[Request],

@@ -8,16 +8,20 @@ import pytest
 
 from bench.trace import (
     GIB,
+    HINDSIGHT,
+    HindsightReuse,
     FP8_BYTES_PER_TOKEN,
     OUR_BYTES_PER_TOKEN,
     Request,
     Simulator,
     budget_for_share,
     default_trace_path,
+    hindsight_odds,
     load_trace,
     unique_block_bytes,
 )
 from statestore.profile import CostProfile
+from statestore.reuse import NO_CONTEXT, ReuseConfig, chain_context
 from tiers.record import HEADER_SIZE, make_record
 from tiers.virtual import AccountingHostTier, VirtualTier
 
@@ -75,3 +79,27 @@ def test_a_short_run_goes_through_the_store_and_never_beats_physics() -> None:
     ours = asyncio.run(sim.run("lru-ours", 1.0, 0.0))
     assert ours.ttft_s[3] == pytest.approx(recompute.ttft_s[3])  # a cold request pays the full prefill
     assert ours.row()["gpu_s_saved"] > 0
+
+
+def test_hindsight_odds_count_each_read_that_is_not_its_blocks_last_in_the_policys_cells() -> None:
+    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(10.0, 1500, 1, (1, 2, 4)), Request(20.0, 500, 1, (5,))]
+    odds = hindsight_odds(reqs)
+    # Request 0's blocks 1 and 2 are read again (request 1), its tail 3 is not; request 1 reads
+    # 1, 2 a second time (their last reads) and appends 4 after a known prefix; 5 is a one-off.
+    assert odds[1, chain_context(3, 0)] == pytest.approx(1.5 / 2)
+    assert odds[1, chain_context(3, 2)] == pytest.approx(0.5 / 2)
+    assert odds[1, chain_context(3, 2, True)] == pytest.approx(0.5 / 2)
+    assert odds[2, chain_context(3, 0)] == pytest.approx(0.5 / 2)
+    assert odds[1, NO_CONTEXT] == pytest.approx(2.5 / 6)  # 2 of the 5 first reads came back
+    assert odds[2, NO_CONTEXT] == pytest.approx(0.5 / 3)
+    est = HindsightReuse(ReuseConfig(), odds)
+    assert est.p_next(b"t" * 16, 1, chain_context(3, 0)) == pytest.approx(0.75)
+    assert est.p_next(b"t" * 16, 1, chain_context(200, 5)) == pytest.approx(2.5 / 6)  # unseen cell: count-only
+    assert est.p_next(b"t" * 16, 9) == ReuseConfig().prior_p_next  # no 4th reads at all: the prior
+
+
+def test_the_hindsight_run_is_the_cost_policy_with_those_odds() -> None:
+    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(1.0, 1100, 1, (1, 2, 4)), Request(2.0, 1500, 1, (1, 2, 3))]
+    r = asyncio.run(Simulator(reqs, CostProfile.v41_h200()).run(HINDSIGHT, 1.0, 0.0))
+    assert isinstance(r.policy_obj.reuse, HindsightReuse) and r.policy_obj.name == "cost"  # type: ignore[union-attr]
+    assert sum(r.hits.values()) == 5 and r.blocks == 9
