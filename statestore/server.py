@@ -356,7 +356,8 @@ class _Reassembler:
 
 
 _DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
-STAGE_MIN_BYTES = 1 << 20  # records this large are assembled in the SSD tier's aligned buffers (`_Stager`)
+STAGE_MIN_BYTES = 1 << 20
+DEFER_FILL_MIN_BYTES = 4 << 20  # one LOCAL shm record this large is copied out by the SSD tier's write  # records this large are assembled in the SSD tier's aligned buffers (`_Stager`)
 MAX_STAGED_PER_CALL = 8  # beyond these (per PutRecords call) records are joined in the heap
 
 
@@ -372,12 +373,35 @@ class _Stager:
     def __init__(self, ssd: Any, stack: contextlib.ExitStack) -> None:
         self._ssd, self._stack = ssd, stack
         self._num_staged = 0
+        self._deferred: list[Any] = []  # staged buffers whose fill was left to the SSD tier's write
+
+    def settle(self) -> None:
+        """After the call's puts: a deferred fill that no write consumed means nothing was
+        stored from it (the SSD tier, a LOCAL put's first write, refused or failed first)."""
+        for staged in self._deferred:
+            if staged.pending:
+                logger.debug("PutRecords: a deferred fill was not consumed (the put did not reach the SSD tier)")
+        self._deferred.clear()
+
+    def check_consumed(self) -> None:
+        """After the call's puts succeeded: every deferred fill was done (and verified) by the
+        SSD tier's write; anything else would be a store that wrote another tier first."""
+        if any(staged.pending for staged in self._deferred):
+            raise RuntimeError("a LOCAL put was acknowledged without the SSD tier's write verifying its payload")
 
     async def join(self, parts: Sequence[bytes | memoryview], start: common_pb2.RecordStart,
-                   payload_sum: int | None, shared: bool) -> Record | None:
+                   payload_sum: int | None, shared: bool, *, defer: bool = False) -> Record | None:
         """The verified record, its payload in a staged buffer; None when it is not worth
         staging (small, or in one message frame: kept as a view) or cannot be (compressed, a
-        foreign split of the header): `join_parts` then. RecordError as `join_parts` says it."""
+        foreign split of the header): `join_parts` then. RecordError as `join_parts` says it.
+
+        `defer` (one LOCAL record of a shared-memory stream, >= DEFER_FILL_MIN_BYTES): the copy
+        and its checksum are left to the SSD tier, which copies the payload out of the window
+        piece by piece while it writes the previous piece, and verifies it before the record
+        becomes visible (`tiers._fs.Staged.defer_fill`); a mismatch fails the put with the same
+        INVALID_ARGUMENT and leaves nothing. The SSD tier is a LOCAL put's first write (the
+        store writes the durability tier before any cache copy), so nothing reads the payload
+        before it is verified."""
         total = start.total_bytes
         if self._ssd is None or total < STAGE_MIN_BYTES or self._num_staged >= MAX_STAGED_PER_CALL \
                 or (len(parts) == 1 and not shared) or len(parts[0]) < HEADER_SIZE:
@@ -393,6 +417,12 @@ class _Stager:
         staged = self._stack.enter_context(self._ssd.staging(header.stored_length))
         self._num_staged += 1
         pieces = [memoryview(parts[0])[HEADER_SIZE:], *parts[1:]]
+        if defer and shared and len(pieces) == 1 and total >= DEFER_FILL_MIN_BYTES:
+            if header.key != start.key:
+                raise RecordError("record key does not match the key it was stored under")
+            staged.defer_fill(pieces[0], checksum)
+            self._deferred.append(staged)
+            return Record(header, staged.payload, checksum)
         hash_parts = shared or payload_sum is None
         if total >= OFFLOAD_BYTES:
             got = await asyncio.to_thread(copy_hashed, staged.dest, pieces, hash_parts=hash_parts)
@@ -531,9 +561,17 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 raise _Precondition(str(exc)) from None
             parts = [(start, [view]) for (start, _), view in zip(parts, views)]
             try:
-                verified = [await self._verify(i, start, buf, tid, stager=stager, shared=True)
+                # One LOCAL record alone: the SSD tier copies it out of the window while it writes it
+                # and verifies it before it becomes visible (`_Stager.join(defer=True)`).
+                defer = len(parts) == 1 and parts[0][0].durability == int(Durability.LOCAL)
+                verified = [await self._verify(i, start, buf, tid, stager=stager, shared=True, defer=defer)
                             for i, (start, buf) in enumerate(parts)]
+                async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
+                    response = await self._put_verified(verified, parts)
+                stager.check_consumed()
+                return response
             finally:
+                stager.settle()  # a deferred fill no put consumed is dropped with its buffer
                 for _, bufs in parts:
                     for view in bufs:
                         view.release()
@@ -581,6 +619,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     if i:
                         exc.args = (f"{exc} ({i} earlier record(s) of this stream were stored)",)
                     raise
+                except RecordError as exc:  # a payload whose verification the SSD tier's write did
+                    raise _BadField(f"record {i} ({start.key.hex()}): {exc}") from None
                 stored_bytes += parts[i][0].total_bytes
                 add(key=put.key, durability=int(put.durability), tiers=sorted(t.value for t in put.tiers),
                     evicted=len(put.evicted))
@@ -590,15 +630,17 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
 
     async def _verify(self, i: int, start: common_pb2.RecordStart, parts: list[bytes | memoryview],
                       tid: bytes, payload_sum: int | None = None, *, stager: _Stager | None = None,
-                      shared: bool = False) -> tuple[Record, common_pb2.RecordStart, Durability]:
+                      shared: bool = False, defer: bool = False) -> tuple[Record, common_pb2.RecordStart, Durability]:
         """Durability, checksums, key, kind, model and tenant (`tid`: the caller's tenant id) of one
         record; returned re-stamped with the caller's tenant, with the durability it asks for.
 
         `shared`: `parts` is a view of a client's shared memory, which the client can still write:
-        the payload is copied out before it is hashed, and the copy is what is verified and stored."""
+        the payload is copied out before it is hashed, and the copy is what is verified and stored.
+        `defer`: the payload checksum may be left to the SSD tier's write (`_Stager.join`)."""
         durability = _durability(start.durability, f"record {i}: start.durability", Durability.MEMORY)
         try:
-            record = None if stager is None else await stager.join(parts, start, payload_sum, shared)
+            record = None if stager is None else await stager.join(parts, start, payload_sum, shared,
+                                                                   defer=defer and durability is Durability.LOCAL)
             if record is None:
                 record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key,
                                                    keep_view=not shared, payload_sum=payload_sum)

@@ -75,10 +75,12 @@ import threading
 import weakref
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header
 
@@ -230,7 +232,7 @@ class Staged:
     O_DIRECT as it lies (`LaidOut`), instead of copying the payload into an aligned buffer of
     its own. The buffer goes back to its pool once every view of it is gone."""
 
-    __slots__ = ("buf", "dest", "payload")
+    __slots__ = ("buf", "dest", "payload", "_source", "_checksum")
 
     def __init__(self, buffers: IOBuffers, payload_bytes: int) -> None:
         if payload_bytes < 0:
@@ -239,10 +241,40 @@ class Staged:
         self.buf = buffers.lend(round_up(total, ALIGN))
         self.dest = self.buf[HEADER_SIZE:total]
         self.payload = self.dest.toreadonly()
+        self._source: memoryview | None = None
+        self._checksum = 0
 
-    def laid_out(self, head: Chunk) -> LaidOut:
-        """The chunks (encoded header, payload) of a write from this buffer."""
-        return LaidOut((head, self.payload), self.buf)
+    def defer_fill(self, source: memoryview, checksum: int) -> None:
+        """The payload is to be copied from `source` (as long) by the write that stores it,
+        piece by piece while the previous piece is written (`_write_filling`), and verified
+        against `checksum` before the record becomes visible; until then `payload` holds
+        nothing valid. For the durability tier's write of a put: nothing may read the payload
+        before it (`fill` does the whole copy at once for any other path)."""
+        if len(source) != len(self.dest):
+            raise ValueError(f"fill source of {len(source)} bytes for a {len(self.dest)}-byte payload")
+        self._source, self._checksum = source, checksum
+
+    @property
+    def pending(self) -> bool:
+        """A deferred fill has not completed yet."""
+        return self._source is not None
+
+    def fill(self) -> None:
+        """Do a pending fill now, whole (copy, hash): RecordError if the checksum does not match."""
+        if self._source is not None:
+            hasher = xxhash.xxh3_64()
+            copy_hashing(self.dest, self._source, hasher)
+            self._filled(hasher)
+
+    def _filled(self, hasher: Any) -> None:
+        if hasher.intdigest() != self._checksum:
+            raise RecordError("payload checksum mismatch: the payload is corrupt")
+        self._source = None
+
+    def laid_out(self, head: Chunk, helpers: Executor | None = None) -> LaidOut:
+        """The chunks (encoded header, payload) of a write from this buffer (`helpers`: where
+        a pending fill's writes run while the next piece is copied)."""
+        return LaidOut((head, self.payload), self.buf, self, helpers)
 
 
 class LaidOut(tuple):  # type: ignore[type-arg]
@@ -251,10 +283,13 @@ class LaidOut(tuple):  # type: ignore[type-arg]
     place and writes `buf` itself. Anywhere else it is the plain chunks it holds."""
 
     buf: memoryview
+    staged: Staged | None
+    helpers: Executor | None
 
-    def __new__(cls, chunks: tuple[Chunk, Chunk], buf: memoryview) -> LaidOut:
+    def __new__(cls, chunks: tuple[Chunk, Chunk], buf: memoryview, staged: Staged | None = None,
+                helpers: Executor | None = None) -> LaidOut:
         self = super().__new__(cls, chunks)
-        self.buf = buf
+        self.buf, self.staged, self.helpers = buf, staged, helpers
         return self
 
 
@@ -272,8 +307,16 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffe
         buf[:HEADER_SIZE] = chunks[0]
         if padded != total:
             buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
-        _write_aligned(fd, buf, padded)
+        staged = chunks.staged
+        if staged is not None and staged.pending and chunks.helpers is not None:
+            _write_filling(fd, staged, buf, total, padded, chunks.helpers)
+        else:
+            if staged is not None:
+                staged.fill()
+            _write_aligned(fd, buf, padded)
     else:
+        if isinstance(chunks, LaidOut) and chunks.staged is not None:
+            chunks.staged.fill()  # a pending fill, done whole before the payload is copied
         with buffers.lease(padded) as buf:
             _write_padded(fd, chunks, total, padded, buf)
     if padded != total:
@@ -297,16 +340,57 @@ def _write_aligned(fd: int, buf: memoryview, padded: int) -> None:
         done += os.write(fd, buf[done:padded])
 
 
+FILL_PIECE_BYTES = 4 << 20  # a deferred fill copies and writes pieces this large (a multiple of ALIGN)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded: int, helpers: Executor) -> None:
+    """O_DIRECT write of a staged record whose payload is still to be copied in (`defer_fill`):
+    piece by piece, each piece copied and hashed on this thread while the previous one is
+    written on a helper thread, so the copy hides behind the disk. The first piece (the one
+    holding the header) is written last, once the checksum of everything copied matched: a
+    crash before that leaves a file whose first block is a hole (zeros), never a record that
+    looks whole. RecordError on a mismatch (the caller removes the file)."""
+    source = staged._source
+    assert source is not None
+    hasher = xxhash.xxh3_64()
+    pending: Future[None] | None = None
+    first_end = min(padded, FILL_PIECE_BYTES)
+    try:
+        for lo in range(0, padded, FILL_PIECE_BYTES):
+            hi = min(padded, lo + FILL_PIECE_BYTES)
+            start, stop = max(lo, HEADER_SIZE), min(hi, total)
+            if stop > start:
+                copy_hashing(buf[start:stop], source[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
+            if lo:
+                if pending is not None:
+                    pending.result()
+                pending = helpers.submit(_pwrite_all, fd, buf[lo:hi], lo)
+    finally:
+        if pending is not None:
+            futures_wait([pending])
+    if pending is not None:
+        pending.result()
+    staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
+    _pwrite_all(fd, buf[:first_end], 0)
+
+
 COPY_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in cache (L2-sized)
 
 
 def copy_hashing(dest: memoryview, src: memoryview, hasher: Any) -> None:
-    """Copy `src` into `dest` (as long) block by block, hashing each block of `src` right
-    after its copy, while it is in cache (one pass over memory instead of two)."""
+    """Copy `src` into `dest` (as long) block by block, hashing each block of `dest` right
+    after its copy, while it is in cache (one pass over memory instead of two). What is hashed
+    is what was copied, even if another process writes `src` (shared memory) meanwhile."""
     for start in range(0, len(src), COPY_BLOCK_BYTES):
-        block = src[start:start + COPY_BLOCK_BYTES]
-        dest[start:start + len(block)] = block
-        hasher.update(block)
+        end = start + min(COPY_BLOCK_BYTES, len(src) - start)
+        dest[start:end] = src[start:end]
+        hasher.update(dest[start:end])
 
 
 def make_spares(directory: str | Path, names: Sequence[str], sync: bool = True) -> list[str]:
@@ -458,6 +542,8 @@ def _write(fd: int, chunks: Sequence[Chunk], total: int, direct: bool, buffers: 
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
+    if isinstance(chunks, LaidOut) and chunks.staged is not None:
+        chunks.staged.fill()  # a pending fill the direct write did not finish: whole, from the start
     _write_all(fd, chunks)
 
 

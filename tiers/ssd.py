@@ -956,6 +956,9 @@ class SSDTier(Tier):
     async def _put_locked(self, key: RecordKey, record: Record) -> bool:
         """put's body, the key held and the gate entered."""
         level = self._zstd_kinds.get(record.header.kind)
+        staged = self._staged_for(record)
+        if level is not None and staged is not None and staged.pending:
+            await self._run(staged.fill)  # the encoder reads the payload: fill it first (RecordError: corrupt)
         encoded = None if level is None else await self._run(
             functools.partial(encode_record, record, zstd_level=level))
         file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
@@ -966,7 +969,7 @@ class SSDTier(Tier):
         new_key = key not in self._index
         spare = self._claim_spare() if new_key else None
         try:
-            header = await self._run(self._write_record, record, encoded, new_key, spare, self._staged_for(record))
+            header = await self._run(self._write_record, record, encoded, new_key, spare, staged)
         except OSError as exc:
             self._log_write_failure(key, exc)
             return False
@@ -987,7 +990,8 @@ class SSDTier(Tier):
             payload = record.payload
             head = encode_header(record.header, stored_length=len(payload), flags=0,
                                  checksum=record.payload_sum())
-            chunks: Sequence[bytes | memoryview] = (head, payload) if staged is None else staged.laid_out(head)
+            chunks: Sequence[bytes | memoryview] = (head, payload) if staged is None else \
+                staged.laid_out(head, self._helpers)
         else:
             head, chunks = encoded[:HEADER_SIZE], (encoded,)
         key = record.key

@@ -281,3 +281,34 @@ async def test_large_ssd_records_come_through_the_window_and_stay_the_tenants_ow
         assert await bob.get_payloads_into(keys, Sink(items)) == [False] * 3 and bob.shm_active
         region = bob._transport._region  # bob's own shared memory: none of alice's bytes went there
         assert bytes(items[0].parts[1][:4096]) not in bytes(region.buf)
+
+
+async def test_one_large_local_record_is_verified_by_the_write_that_stores_it(server: StateStoreServer) -> None:
+    """A shared-memory PutRecords of one LOCAL record of >= 4 MiB leaves the copy out of the
+    window to the SSD tier's write (verified before the record becomes visible): a bit flipped
+    in the window is INVALID_ARGUMENT naming the record, with nothing stored and no file left;
+    the intact record is stored, bit-exact on disk and through a get."""
+    async with client(server, 0) as c:
+        fingerprint = await register(c)
+    big = item(fingerprint, "deferred", 9 << 20)
+    region = ShmRegion(16 << 20)
+    try:
+        window = ShmWindow(region.name, region.secret, DATA_OFFSET, 12 << 20)
+        encoded = big.encode_header() + b"".join(bytes(p) for p in big.parts)
+        region.buf[DATA_OFFSET:DATA_OFFSET + len(encoded)] = encoded
+        region.buf[DATA_OFFSET + HEADER_SIZE + (5 << 20)] ^= 0x80
+        exc = await raw_put_records(server, window.to_metadata()[1], [big])
+        assert exc is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "record 0 (" in (exc.details() or "") and "payload checksum mismatch" in (exc.details() or "")
+        assert server.store.meta(big.header.key) is None and not server.ssd._staged
+        assert not [p for p in server.ssd._layout.root.rglob("*.rec")]
+        region.buf[DATA_OFFSET + HEADER_SIZE + (5 << 20)] ^= 0x80
+        assert await raw_put_records(server, window.to_metadata()[1], [big]) is None
+    finally:
+        region.close()
+    (path,) = server.ssd._layout.root.rglob("*.rec")
+    stored = path.read_bytes()
+    assert stored[HEADER_SIZE:] == encoded[HEADER_SIZE:]
+    async with client(server, 0) as c:
+        (got,) = await c.get_records([big.header.key])
+    assert got is not None and bytes(got.payload) == encoded[HEADER_SIZE:]

@@ -875,3 +875,41 @@ async def test_a_get_delivers_into_a_registered_target_while_it_reads(tier: SSDT
     with tier.reading_into(big.key, memoryview(bytearray(len(big.payload)))) as target:
         assert await tier.get(big.key) is None
     assert not target.filled and not path.exists() and await tier.contains([big.key]) == [False]
+
+
+@pytest.mark.parametrize("path", ["direct", "buffered", "zstd"])
+async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_visible(
+        tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Staged.defer_fill`: the put copies the payload from its source while it writes (O_DIRECT
+    in pieces, the header piece last), or whole before a buffered or compressed write; a source
+    that does not match the checksum fails the put with RecordError and leaves no file, no index
+    entry; an intact one is stored bit-exactly and survives a restart."""
+    from tiers._fs import FILL_PIECE_BYTES
+
+    if path == "buffered":  # a file system refusing O_DIRECT at open
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
+            OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+    kind = 5 if path == "zstd" else 1
+    tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds={5: 1} if path == "zstd" else None)
+    want = rec(1, 2 * FILL_PIECE_BYTES + 4321, kind=kind)
+    try:
+        source = bytearray(want.payload)
+        source[FILL_PIECE_BYTES + 99] ^= 0x20  # corrupt in the second piece
+        with tier.staging(len(want.payload)) as staged:
+            staged.defer_fill(memoryview(source), want.payload_sum())
+            assert staged.pending
+            with pytest.raises(RecordError, match="payload checksum mismatch"):
+                await tier.put(Record(want.header, staged.payload, want.payload_sum()))
+        assert await tier.contains([want.key]) == [False] and files_under(tier._layout.root) == []
+        with tier.staging(len(want.payload)) as staged:
+            staged.defer_fill(memoryview(bytearray(want.payload)), want.payload_sum())
+            assert await tier.put(Record(want.header, staged.payload, want.payload_sum()))
+            assert not staged.pending and bytes(staged.payload) == want.payload
+        assert_same(await tier.get(want.key), want)
+        if path != "zstd":
+            assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+        tier = await reopen(tier, zstd_kinds={5: 1} if path == "zstd" else None)
+        assert_same(await tier.get(want.key), want)
+    finally:
+        await tier.aclose()
