@@ -297,19 +297,22 @@ if triton is not None:
         tl.store(out_ptr + dst_rows[:, None] * D + cols[None, :], vals.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _dequantize_v2_kernel(codes_ptr, scales_ptr, out_ptr, n_rows,
-                              D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+    def _dequantize_rows_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, D: tl.constexpr, BS: tl.constexpr,
+                                ROWS: tl.constexpr, E4M3: tl.constexpr, DECODE_ROWS: tl.constexpr):
+        """Rows [ROWS * pid, ...) decoded in place by DECODE_ROWS (`_dequant_rows_v2` / `_v3`)."""
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rows = r.to(tl.int64)
-        _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, ROWS, E4M3)
+        DECODE_ROWS(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, ROWS, E4M3)
 
     @triton.jit
-    def _gather_dequantize_v2_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out,
-                                     D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
+    def _gather_dequantize_rows_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out, D: tl.constexpr,
+                                       BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr,
+                                       DECODE_ROWS: tl.constexpr):
+        """Output rows [ROWS * pid, ...) decoded by DECODE_ROWS from the entries idx names (-1: 0)."""
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         valid = r < n_out
         src = tl.maximum(tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64), 0)
-        _dequant_rows_v2(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
+        DECODE_ROWS(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
 
     @triton.jit
     def _div_rn_by_block(xb, q):
@@ -372,21 +375,6 @@ if triton is not None:
         tl.store(out_ptr + dst_rows[:, None] * D + tl.arange(0, D)[None, :], vals.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _dequantize_v3_kernel(codes_ptr, scales_ptr, out_ptr, n_rows,
-                              D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        rows = r.to(tl.int64)
-        _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, rows, rows, r < n_rows, D, BS, ROWS, E4M3)
-
-    @triton.jit
-    def _gather_dequantize_v3_kernel(idx_ptr, codes_ptr, scales_ptr, out_ptr, n_out,
-                                     D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        valid = r < n_out
-        src = tl.maximum(tl.load(idx_ptr + r, mask=valid, other=0).to(tl.int64), 0)
-        _dequant_rows_v3(codes_ptr, scales_ptr, out_ptr, src, r.to(tl.int64), valid, D, BS, ROWS, E4M3)
-
-    @triton.jit
     def _e2m1_codes_v5(t):
         """E2M1 code of t / 4 (NaN not handled: the caller zeroes NaN blocks) with most work on
         the FMA pipe: a select-based encoder (v4, removed) loaded the integer/logic pipe that bounds
@@ -436,10 +424,6 @@ if triton is not None:
         tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
 
 
-    # v5 changes only the quantizer; its decoders are v3's
-    _dequantize_v5_kernel = _dequantize_v3_kernel
-    _gather_dequantize_v5_kernel = _gather_dequantize_v3_kernel
-
     @triton.jit
     def _quantize_v6_kernel(x_ptr, codes_ptr, scales_ptr, n_rows,
                             D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr, E4M3: tl.constexpr):
@@ -471,8 +455,9 @@ if triton is not None:
         tl.store(dst + H // 2, tl.where(nan_block[:, None], 0, lo + hi * 16).to(tl.uint8), mask=valid[:, None])
         tl.store(scales_ptr + blk, byte.to(tl.uint8), mask=valid)
 
-    _dequantize_v6_kernel = _dequantize_v3_kernel
-    _gather_dequantize_v6_kernel = _gather_dequantize_v3_kernel
+    # the row decoder of each variant's dequantize and gather kernels (v5 and v6 change only the
+    # quantizer: their decoders are v3's)
+    _DECODE_ROWS = {"v2": _dequant_rows_v2, "v3": _dequant_rows_v3, "v5": _dequant_rows_v3, "v6": _dequant_rows_v3}
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: same signatures and results as the codecs.py functions of the same names.
@@ -515,10 +500,16 @@ def restore_config(saved: dict) -> None:
 
 
 def _launch(op: str, dim: int):
-    """(kernel, rows per program, warps) for `op` at row width `dim`."""
+    """(kernel, rows per program, warps, extra constexpr arguments) for `op` at row width `dim`."""
     cfg = _CONFIG[op]
-    kernel = globals()[f"_{op}_kernel" if cfg["variant"] == "v1" else f"_{op}_{cfg['variant']}_kernel"]
-    return kernel, max(1, cfg["elems"] // dim), cfg["num_warps"]
+    variant, extra = cfg["variant"], {}
+    if variant == "v1":
+        kernel = globals()[f"_{op}_kernel"]
+    elif op == "quantize":
+        kernel = globals()[f"_{op}_{variant}_kernel"]
+    else:  # the decoders share their kernels; a variant is its row decoder
+        kernel, extra = globals()[f"_{op}_rows_kernel"], {"DECODE_ROWS": _DECODE_ROWS[variant]}
+    return kernel, max(1, cfg["elems"] // dim), cfg["num_warps"], extra
 
 
 def _check(x: torch.Tensor, block: int, fn: str) -> None:
@@ -539,8 +530,9 @@ def _quantize(x: torch.Tensor, block: int, e4m3: bool, fn: str) -> PackedFP4:
     codes = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n, d // block, dtype=torch.uint8, device=x.device)
     if n:
-        kernel, rows, warps = _launch("quantize", d)
-        kernel[(triton.cdiv(n, rows),)](flat, codes, scales, n, D=d, BS=block, ROWS=rows, E4M3=e4m3, num_warps=warps)
+        kernel, rows, warps, extra = _launch("quantize", d)
+        kernel[(triton.cdiv(n, rows),)](flat, codes, scales, n, D=d, BS=block, ROWS=rows, E4M3=e4m3, num_warps=warps,
+                                        **extra)
     lead = x.shape[:-1]
     return PackedFP4(codes=codes.view(*lead, d // 2), scales=scales.view(*lead, d // block), block=block,
                      scale_format="e4m3" if e4m3 else "e8m0")
@@ -573,9 +565,9 @@ def dequantize_fp4(p: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Te
     n = codes.shape[0]
     out = torch.empty(n, d, dtype=dtype, device=codes.device)
     if n:
-        kernel, rows, warps = _launch("dequantize", d)
+        kernel, rows, warps, extra = _launch("dequantize", d)
         kernel[(triton.cdiv(n, rows),)](codes, scales, out, n, D=d, BS=p.block, ROWS=rows,
-                                        E4M3=p.scale_format == "e4m3", num_warps=warps)
+                                        E4M3=p.scale_format == "e4m3", num_warps=warps, **extra)
     return out.view(*p.codes.shape[:-1], d)
 
 
@@ -594,7 +586,7 @@ def gather_dequantize_fp4(p: PackedFP4, index: torch.Tensor, dtype: torch.dtype 
     n = idx.shape[0]
     out = torch.empty(n, d, dtype=dtype, device=p.codes.device)
     if n:
-        kernel, rows, warps = _launch("gather_dequantize", d)
+        kernel, rows, warps, extra = _launch("gather_dequantize", d)
         kernel[(triton.cdiv(n, rows),)](idx, p.codes.contiguous(), p.scales.contiguous(), out, n, D=d, BS=p.block,
-                                        ROWS=rows, E4M3=p.scale_format == "e4m3", num_warps=warps)
+                                        ROWS=rows, E4M3=p.scale_format == "e4m3", num_warps=warps, **extra)
     return out.view(*index.shape, d)
