@@ -39,6 +39,14 @@ encode + write + syncs for a put, open + read + verify for a get. Each takes an 
 buffer from the tier's pool (`tiers._fs.IOBuffers`: huge pages, mapped and faulted in once,
 reused by whichever thread runs the next operation).
 
+Two hand-offs let a large record skip a copy of its own. `staging` lends a pool buffer laid out
+as the record's file (header room, payload): a caller that assembles a record there gets it
+written with O_DIRECT as it lies, and may even leave the copy into it to the write, which then
+copies piece by piece while writing the previous piece and verifies the checksum before the
+record becomes visible (`tiers._fs.Staged.defer_fill`). `reading_into` names where a get should
+also deliver a payload: the read goes in pieces, each copied there on a helper thread while the
+next one is read.
+
 The tier never evicts. With a budget, `put` refuses (False) a record that would not fit,
 writing nothing; the store decides what to delete to make room.
 """
