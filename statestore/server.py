@@ -356,8 +356,8 @@ class _Reassembler:
 
 
 _DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
-STAGE_MIN_BYTES = 1 << 20
-DEFER_FILL_MIN_BYTES = 4 << 20  # one LOCAL shm record this large is copied out by the SSD tier's write  # records this large are assembled in the SSD tier's aligned buffers (`_Stager`)
+STAGE_MIN_BYTES = 1 << 20  # records this large are assembled in the SSD tier's aligned buffers (`_Stager`)
+DEFER_FILL_MIN_BYTES = 4 << 20  # one LOCAL shm record this large is copied out by the SSD tier's write
 MAX_STAGED_PER_CALL = 8  # beyond these (per PutRecords call) records are joined in the heap
 
 
