@@ -340,7 +340,7 @@ def _write_aligned(fd: int, buf: memoryview, padded: int) -> None:
         done += os.write(fd, buf[done:padded])
 
 
-FILL_PIECE_BYTES = 4 << 20  # a deferred fill copies and writes pieces this large (a multiple of ALIGN)
+FILL_PIECE_BYTES = 2 << 20  # a deferred fill copies and writes pieces this large (a multiple of ALIGN)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -352,7 +352,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded: int, helpers: Executor) -> None:
     """O_DIRECT write of a staged record whose payload is still to be copied in (`defer_fill`):
     piece by piece, each piece copied and hashed on this thread while the previous one is
-    written on a helper thread, so the copy hides behind the disk. The first piece (the one
+    written on a helper thread, so the copy hides behind the disk. The first block (the one
     holding the header) is written last, once the checksum of everything copied matched: a
     crash before that leaves a file whose first block is a hole (zeros), never a record that
     looks whole. RecordError on a mismatch (the caller removes the file)."""
@@ -360,24 +360,24 @@ def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded:
     assert source is not None
     hasher = xxhash.xxh3_64()
     pending: Future[None] | None = None
-    first_end = min(padded, FILL_PIECE_BYTES)
     try:
         for lo in range(0, padded, FILL_PIECE_BYTES):
             hi = min(padded, lo + FILL_PIECE_BYTES)
             start, stop = max(lo, HEADER_SIZE), min(hi, total)
             if stop > start:
                 copy_hashing(buf[start:stop], source[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
-            if lo:
+            write_from = max(lo, ALIGN)  # the header's block waits for the checksum
+            if hi > write_from:
                 if pending is not None:
                     pending.result()
-                pending = helpers.submit(_pwrite_all, fd, buf[lo:hi], lo)
+                pending = helpers.submit(_pwrite_all, fd, buf[write_from:hi], write_from)
     finally:
         if pending is not None:
             futures_wait([pending])
     if pending is not None:
         pending.result()
     staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
-    _pwrite_all(fd, buf[:first_end], 0)
+    _pwrite_all(fd, buf[:ALIGN], 0)
 
 
 COPY_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in cache (L2-sized)
