@@ -122,10 +122,12 @@ OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 LEND_MIN_BYTES = 1 << 20
 # A get with a delivery target (`SSDTier.reading_into`) of a record at least this large reads
 # it in pieces of READ_PIECE_BYTES and copies each piece into the target on a helper thread
-# while the next piece is read. On the development VM one 32 MiB O_DIRECT read took 12.2 ms
-# and 4 MiB pieces back to back 13.0 ms, against ~3 ms of copy and ~1 ms of hash then hidden.
+# while the next piece is read. On the development VM (shared, load ~2.4), 32 MiB records read
+# and put into a shm slot, alternating with read-then-copy: 2 MiB pieces 18.0-21.5 ms against
+# 19.3-24.1 (1-2.6 ms saved in each of 7 runs); 4 MiB pieces were 1.3-2 ms slower than
+# read-then-copy, 8 and 32 MiB even: the copy thread and the reads share 2 busy vCPUs.
 DELIVER_MIN_BYTES = 4 << 20
-READ_PIECE_BYTES = 4 << 20
+READ_PIECE_BYTES = 2 << 20
 SCAN_CHUNK = 16  # first-level directories per scan thread call
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
 # up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
