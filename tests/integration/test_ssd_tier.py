@@ -913,3 +913,31 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
         assert_same(await tier.get(want.key), want)
     finally:
         await tier.aclose()
+
+
+async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSDTier,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that accepts O_DIRECT at open but refuses the writes (EINVAL) midway
+    through a deferred fill: the write starts again buffered with the whole payload copied and
+    verified first, and the record is stored bit-exactly."""
+    from tiers._fs import FILL_PIECE_BYTES
+
+    want = rec(3, 3 * FILL_PIECE_BYTES + 777)
+    real_pwrite = os.pwrite
+    calls: list[int] = []
+
+    def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.EINVAL, "O_DIRECT write refused")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+    with tier.staging(len(want.payload)) as staged:
+        staged.defer_fill(memoryview(bytearray(want.payload)), want.payload_sum())
+        assert await tier.put(Record(want.header, staged.payload, want.payload_sum()))
+        assert not staged.pending
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert len(calls) >= 2
+    assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+    assert_same(await tier.get(want.key), want)
