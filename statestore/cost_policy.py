@@ -53,6 +53,7 @@ from tiers.record import RecordKey
 D_REF = 1e-9  # reference density (seconds saved per byte) of the score's zero point
 PINNED_SCORE = 1e30  # finite, above every real score (pinned copies are never candidates anyway)
 _LOG_CLAMP = 60.0
+_NO_CHAIN = (NO_CONTEXT, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,8 @@ class CostAwarePolicy(PlacementPolicy):
         # own outputs, dropped with the copy (on_remove), so it never outgrows the index.
         self._scores: dict[tuple[RecordKey, TierName], tuple[float, float, float]] = {}
         # key -> chain context of the latest lookup that named it, until its access consumes it
-        self._chain: OrderedDict[RecordKey, int] = OrderedDict()
+        # (and the key's share of that context's sample: 1 / the chain's keys in that context)
+        self._chain: OrderedDict[RecordKey, tuple[int, float]] = OrderedDict()
         self.decisions: Counter[str] = Counter()  # "host admitted", "ssd refused", ...: what explain reports
 
     # ----- costs ---------------------------------------------------------------------------
@@ -187,7 +189,7 @@ class CostAwarePolicy(PlacementPolicy):
         store is recording now (it prices a copy before the hook that reports the access)."""
         count, last, context = self.reuse.latest(meta.key)
         if meta.last_access > last:  # an access the hooks have not reported yet
-            count, context = count + 1, self._chain.get(meta.key, NO_CONTEXT)
+            count, context = count + 1, self._chain.get(meta.key, _NO_CHAIN)[0]
         return max(1, count), context
 
     def price(self, meta: StateMeta, tier: TierCost, tiers: Mapping[TierName, TierCost] | None = None,
@@ -312,7 +314,7 @@ class CostAwarePolicy(PlacementPolicy):
 
     def on_put(self, meta: StateMeta, tiers: frozenset[TierName]) -> None:
         self._see(meta)
-        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, self._chain.pop(meta.key, NO_CONTEXT))
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, *self._chain.pop(meta.key, _NO_CHAIN))
         self._add_inflow(meta)
 
     def _add_inflow(self, meta: StateMeta) -> None:
@@ -321,14 +323,16 @@ class CostAwarePolicy(PlacementPolicy):
 
     def on_access(self, meta: StateMeta, tier: TierName) -> None:
         self._see(meta)
-        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, self._chain.pop(meta.key, NO_CONTEXT))
+        self.reuse.observe(meta.key, meta.tenant_id, meta.last_access, *self._chain.pop(meta.key, _NO_CHAIN))
 
     def on_lookup(self, keys: Sequence[RecordKey]) -> None:
         """Remember where each key sits in the reader's chain: its access prices and learns by it."""
         known_root = bool(keys) and self.reuse.access_count(keys[0]) > 0
-        for i, k in enumerate(keys):
-            extends = known_root and i > 0 and self.reuse.access_count(k) == 0
-            self._chain[k] = chain_context(len(keys), i, extends)
+        labels = [chain_context(len(keys), i, known_root and i > 0 and self.reuse.access_count(k) == 0)
+                  for i, k in enumerate(keys)]
+        per_label = Counter(labels)
+        for k, label in zip(keys, labels):
+            self._chain[k] = (label, 1.0 / per_label[label])
             self._chain.move_to_end(k)
         while len(self._chain) > self.config.reuse.max_keys:
             self._chain.popitem(last=False)

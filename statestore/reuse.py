@@ -14,7 +14,8 @@ keeps, per tenant:
   record's distance from its end). A long chain's inner blocks are a shared document that
   readers come back to; the last block of a chain is the reader's own tail, rarely read
   again. Each context's estimate is shrunk towards the count-only one (`context_weight`
-  pseudo-counts), so a context seen rarely says little.
+  pseudo-counts), so a context seen rarely says little; one reader's chain counts as one
+  sample of each context it spans (its blocks share their fate).
 - the gap distribution: the empirical CDF of the last `max_gaps` inter-access gaps, mixed
   with an exponential tail so that an idle time past every observed gap is unlikely, not
   impossible.
@@ -40,10 +41,9 @@ class ReuseConfig:
     max_rank: int = 4  # access counts at or above this share one P(next)
     max_gaps: int = 2048  # gap samples kept per tenant
     max_keys: int = 1 << 18  # keys whose access history is remembered (live and removed)
-    # Pseudo-counts of the count-only P(next) in a context's estimate. 2, not 8: a context is
-    # told apart from its count-only odds after a few resolved reads, which matters in the first
-    # minutes of a workload (Mooncake trace, host only, cost mean TTFT 1/2/4/8 GiB: 0.5874 /
-    # 0.5017 / 0.3943 / 0.2920 s at 8 -> 0.5873 / 0.5016 / 0.3939 / 0.2912 s at 2; 16 and 32 GiB equal).
+    # Pseudo-counts (in readers' chains, see `observe`) of the count-only P(next) in a
+    # context's estimate: a context is told apart after a few chains, which matters in the
+    # first minutes of a workload.
     context_weight: float = 2.0
 
     def __post_init__(self) -> None:
@@ -95,13 +95,14 @@ class _TenantStats:
     went_on: list[int]  # went_on[n]: records accessed again after their n-th access
     gaps: deque[float]
     # the same counts per (n, chain context of the n-th access)
-    stopped_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
-    went_on_ctx: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (weighted: the blocks of one reader's chain in one context share one sample, see `observe`)
+    stopped_ctx: dict[tuple[int, int], float] = field(default_factory=dict)
+    went_on_ctx: dict[tuple[int, int], float] = field(default_factory=dict)
     sorted_gaps: list[float] = field(default_factory=list)
     gap_sum: float = 0.0
     # (time, key, n) of recent accesses whose outcome (another access or not) is still open:
     # counting them as "not reused" would bias P(next) low early on (right-censoring).
-    pending: deque[tuple[float, bytes, int, int]] = field(default_factory=deque)
+    pending: deque[tuple[float, bytes, int, int, float]] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -109,6 +110,7 @@ class _History:
     count: int  # accesses seen, the put included
     last: float  # time of the latest one
     context: int = NO_CONTEXT  # chain context of the latest one
+    weight: float = 1.0  # its share of a context sample (1 / its chain's blocks in that context)
 
 
 class ReuseEstimator:
@@ -121,10 +123,16 @@ class ReuseEstimator:
 
     # ----- learning -------------------------------------------------------------------
 
-    def observe(self, key: bytes, tenant: bytes, when: float, context: int = NO_CONTEXT) -> None:
+    def observe(self, key: bytes, tenant: bytes, when: float, context: int = NO_CONTEXT,
+                weight: float = 1.0) -> None:
         """An access (a put or a hit) of `key` at `when`: a reuse if the key was seen before.
 
-        `context` is where the access's reader placed the key (`chain_context`), if known.
+        `context` is where the access's reader placed the key (`chain_context`), if known;
+        `weight` is the access's share of one sample of that context: a reader's chain of k
+        blocks in one context gives each 1/k. The blocks of one chain share their fate (a
+        document is read again whole or not at all), so they are one observation, not k: a
+        single 130-block document must not outweigh the shrinkage towards the count-only
+        odds as if 130 readers had been seen.
 
         Keys are remembered after their records are gone (up to `max_keys`), so a block that
         is rebuilt and put again after an eviction still counts as a reuse. An access whose
@@ -141,12 +149,13 @@ class ReuseEstimator:
             self._history.move_to_end(key)
             rank = self._rank(h.count)
             stats.went_on[rank] += 1
-            stats.went_on_ctx[rank, h.context] = stats.went_on_ctx.get((rank, h.context), 0) + 1
+            stats.went_on_ctx[rank, h.context] = stats.went_on_ctx.get((rank, h.context), 0.0) + h.weight
             self._add_gap(stats, max(0.0, when - h.last))
         h.count += 1
         h.last = max(h.last, when)
         h.context = context
-        stats.pending.append((when, key, h.count, context))
+        h.weight = weight
+        stats.pending.append((when, key, h.count, context, weight))
 
     def resolve_s(self, tenant: bytes) -> float:
         """Idle time after which an access counts as a key's last: the 95th-percentile gap, at least 60 s."""
@@ -156,12 +165,12 @@ class ReuseEstimator:
     def _resolve(self, stats: _TenantStats, now: float) -> None:
         horizon = now - self._resolve_s(stats)
         while stats.pending and stats.pending[0][0] <= horizon:
-            _, key, count, context = stats.pending.popleft()
+            _, key, count, context, weight = stats.pending.popleft()
             h = self._history.get(key)
             if h is not None and h.count == count:
                 rank = self._rank(count)
                 stats.stopped[rank] += 1
-                stats.stopped_ctx[rank, context] = stats.stopped_ctx.get((rank, context), 0) + 1
+                stats.stopped_ctx[rank, context] = stats.stopped_ctx.get((rank, context), 0.0) + weight
 
     def _resolve_s(self, stats: _TenantStats) -> float:
         if not stats.sorted_gaps:
@@ -199,12 +208,12 @@ class ReuseEstimator:
         base = (went_on + c.prior_p_next * c.prior_weight) / (went_on + stopped + c.prior_weight)
         if stats is None or context == NO_CONTEXT:
             return base
-        went_on = stats.went_on_ctx.get((n, context), 0)
-        stopped = stats.stopped_ctx.get((n, context), 0)
+        went_on = stats.went_on_ctx.get((n, context), 0.0)
+        stopped = stats.stopped_ctx.get((n, context), 0.0)
         return (went_on + base * c.context_weight) / (went_on + stopped + c.context_weight)
 
-    def context_table(self, tenant: bytes) -> dict[tuple[int, int], tuple[float, int]]:
-        """(n, context) -> (P(next), resolved samples) for every context seen: what explains a ranking."""
+    def context_table(self, tenant: bytes) -> dict[tuple[int, int], tuple[float, float]]:
+        """(n, context) -> (P(next), resolved samples, in chains) for every context seen: what explains a ranking."""
         stats = self._tenants.get(tenant)
         if stats is None:
             return {}

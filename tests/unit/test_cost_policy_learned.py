@@ -93,6 +93,33 @@ def test_a_context_seen_a_few_times_already_moves_away_from_the_count_only_odds(
     assert est.context_table(ALICE)[1, inner] == (pytest.approx(est.p_next(ALICE, 1, inner)), 6)
 
 
+def test_one_readers_chain_is_one_sample_of_its_context() -> None:
+    """A 130-block document put once and never read again is one reader's outcome: its 127
+    inner blocks share one sample of their context, so the context's odds move from the
+    count-only odds as after one failure, not as after 127 (which would price the next long
+    document near zero and, with an SSD, refuse its copies)."""
+    p = CostAwarePolicy(make_profile())
+    for i in range(40):  # reads in no chain: every other one comes back 10 s later
+        k = b"n" + i.to_bytes(4, "big")
+        p.reuse.observe(k, ALICE, float(i))
+        if i % 2 == 0:
+            p.reuse.observe(k, ALICE, i + 10.0)
+    keys = [RecordKey(GLOBAL.to_bytes(2, "big") + b"doc" + i.to_bytes(4, "big") + bytes(25)) for i in range(130)]
+    p.on_lookup(keys)
+    for i, k in enumerate(keys):
+        m = StateMeta(k, GLOBAL, SIZE, meta(0).retention, acked=True, last_access=100.0, tenant_id=ALICE,
+                      token_start=16 * i, token_end=16 * i + 16).with_copy(HOST, SIZE)
+        p.on_put(m, frozenset({HOST}))
+    p.on_lookup([key(99)])
+    p.on_put(meta(99, last_access=5000.0), frozenset({HOST}))  # resolves every open question
+    inner, last = chain_context(130, 5), chain_context(130, 129)
+    table = p.reuse.context_table(ALICE)
+    assert table[1, inner][1] == pytest.approx(1.0) and table[1, last][1] == pytest.approx(1.0)
+    base = p.reuse.p_next(ALICE, 1)
+    # (0 + 2 x base) / (1 + 2): one failure against two pseudo-counts; per block it was ~0.01
+    assert p.reuse.p_next(ALICE, 1, inner) == pytest.approx(2 * base / 3)
+
+
 # ----- decisions --------------------------------------------------------------------------------------
 
 def trained_policy() -> CostAwarePolicy:
