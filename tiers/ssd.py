@@ -379,6 +379,16 @@ def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffer
     return [_read_record(path, key, file_bytes, direct, lend, buffers) for path, key, file_bytes, direct, lend in jobs]
 
 
+def _open_record(path: str, direct: bool) -> int | _ReadResult:
+    """A record file's fd, or the `_ReadResult` of a file that is gone or cannot be opened."""
+    try:
+        return _fs.open_for_read(path, direct=direct)
+    except FileNotFoundError:
+        return _ReadResult(None, missing=True)
+    except OSError as exc:
+        return _ReadResult(None, error=exc)
+
+
 def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend: bool,
                  buffers: _fs.IOBuffers) -> _ReadResult:
     """One open, one read of the indexed size (+1 byte: a grown file shows as too long)
@@ -386,12 +396,9 @@ def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend:
     `lend` is a read-only view of the buffer, which goes back to the pool once the caller
     drops the payload (`IOBuffers.lend`). The inode is looked up only for a bad file, so that
     the caller quarantines exactly the file it read."""
-    try:
-        fd = _fs.open_for_read(path, direct=direct)
-    except FileNotFoundError:
-        return _ReadResult(None, missing=True)
-    except OSError as exc:
-        return _ReadResult(None, error=exc)
+    fd = _open_record(path, direct)
+    if isinstance(fd, _ReadResult):
+        return fd
     try:
         if lend:
             return _read_verified(fd, key, file_bytes, buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN)), True)
@@ -434,12 +441,9 @@ def _read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, 
     is read in pieces, and each piece is copied into `target.dest` and hashed on a helper thread
     while the next one is read. Anything unusual (a header that does not match, a short or long
     file, a checksum mismatch) leaves the target unfilled and ends as `_read_verified` ends."""
-    try:
-        fd = _fs.open_for_read(path, direct=direct)
-    except FileNotFoundError:
-        return _ReadResult(None, missing=True)
-    except OSError as exc:
-        return _ReadResult(None, error=exc)
+    fd = _open_record(path, direct)
+    if isinstance(fd, _ReadResult):
+        return fd
     try:
         buf = buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN))
         try:
