@@ -62,7 +62,7 @@ from statestore.cost_policy import CostAwarePolicy
 from statestore.keys import hash_block
 from statestore.policy import LRUPolicy, PlacementPolicy, required_tier
 from statestore.profile import CostProfile, EngineProfile, ProfileError, default_profile_path
-from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context
+from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context, describe_context
 from statestore.store import BudgetExceeded, StoreConfig, TieredStore
 from statestore.types import Durability, PlacementDecision, StateMeta, TierCost, TierName, TierProfile
 from tiers.record import HEADER_SIZE, Record, RecordKey, make_record, make_record_key
@@ -441,15 +441,14 @@ def reuse_reason(cost: RunResult, lru: RunResult) -> str:
     pol = cost.policy_obj
     if isinstance(pol, CostAwarePolicy):
         table = pol.reuse.context_table(TENANT)
-        def p_of(n: int, length_bucket: int, from_end: int) -> float:
-            cell = table.get((n, length_bucket * 4 + from_end))
-            return cell[0] if cell else math.nan
+        def p_of(n: int, length: int, position: int) -> str:
+            cell = table.get((n, chain_context(length, position)))
+            return f"{describe_context(chain_context(length, position))} {cell[0] if cell else math.nan:.2f}"
         lines.append(
             "why: it keeps the copies worth most per byte, P(reuse) x (rebuild - load) / bytes, with P(reuse) learned "
             "online from what the store saw: P(next read | reads so far, where the block sat in the reader's looked-up "
-            f"chain). Learned: read once, inside a 64-127-block chain {p_of(1, 6, 3):.2f}, inside a 32-63 chain "
-            f"{p_of(1, 5, 3):.2f}, inside a 16-31 chain {p_of(1, 4, 3):.2f}, a chain's last block {p_of(1, 5, 0):.2f} "
-            f"(32-63) / {p_of(1, 6, 0):.2f} (64-127); read twice, inside a 32-63 chain {p_of(2, 5, 3):.2f}; "
+            f"chain). Learned, read once: {p_of(1, 72, 5)}, {p_of(1, 56, 5)}, {p_of(1, 40, 5)}, {p_of(1, 20, 5)}, "
+            f"{p_of(1, 40, 39)}, {p_of(1, 72, 71)}; read twice: {p_of(2, 40, 5)}; "
             f"overall P(next | 1 read) {pol.reuse.p_next(TENANT, 1):.2f}, | 2 reads {pol.reuse.p_next(TENANT, 2):.2f}. "
             "So a chain's tail and blocks of short one-off chains leave first, shared documents stay; LRU evicts by "
             "age alone. Rebuild cost enters the same ratio (block 0 has no lead-in; a partial last block covers fewer "

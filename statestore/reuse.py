@@ -10,7 +10,7 @@ keeps, per tenant:
   inside that time are open, not failures, so early estimates are not biased low. Frequency is what LRU ignores: a block read twice is far likelier to be read
   a third time than a block read once is to be read a second time.
 - `P(next | n, chain context)`: the same counts split by where the record sat in the key
-  chain a reader last looked up (`chain_context`: the chain's length, log2-bucketed, and the
+  chain a reader last looked up (`chain_context`: the chain's length in 16-block buckets, and the
   record's distance from its end). A long chain's inner blocks are a shared document that
   readers come back to; the last block of a chain is the reader's own tail, rarely read
   again. Each context's estimate is shrunk towards the count-only one (`context_weight`
@@ -56,7 +56,8 @@ class ReuseConfig:
 
 
 NO_CONTEXT = -1  # a record no lookup placed in a chain
-_MAX_LENGTH_BUCKET = 7  # chains of 128 blocks and more share one bucket
+_LENGTH_STEP = 16  # chain lengths are bucketed in steps of 16 blocks (8K tokens at 512-token blocks) ...
+_MAX_LENGTH_BUCKET = 8  # ... and chains of 128 blocks and more share one bucket
 _MAX_FROM_END = 3  # 3 or more blocks before the chain's end share one bucket
 
 
@@ -67,24 +68,25 @@ def chain_context(length: int, position: int, extends_known: bool = False) -> in
     """The context label of the record at `position` (0-based) in a looked-up chain of `length`.
 
     Observed facts of the reader's request, known when it arrives (no future): how long its
-    chain is (log2 buckets), how far this record sits from the chain's end (0, 1, 2, 3+), and
+    chain is (buckets of 16 blocks up to 128), how far this record sits from the chain's end (0, 1, 2, 3+), and
     whether it is a new block appended to a prefix the store has seen (a conversation's new
     turn, as opposed to a new document).
     """
     if length < 1 or not 0 <= position < length:
         raise ValueError(f"position {position} is not in a chain of {length}")
-    length_bucket = min(_MAX_LENGTH_BUCKET, length.bit_length() - 1)
+    length_bucket = min(_MAX_LENGTH_BUCKET, length // _LENGTH_STEP)
     label = length_bucket * (_MAX_FROM_END + 1) + min(_MAX_FROM_END, length - 1 - position)
     return label + _EXTENDS if extends_known else label
 
 
 def describe_context(context: int) -> str:
-    """`chain 32-63, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT."""
+    """`chain 32-47, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT."""
     if context == NO_CONTEXT:
         return "no chain"
     extends, rest = divmod(context, _EXTENDS)
     lb, fe = divmod(rest, _MAX_FROM_END + 1)
-    span = f"{1 << lb}+" if lb == _MAX_LENGTH_BUCKET else f"{1 << lb}-{(2 << lb) - 1}"
+    low = lb * _LENGTH_STEP
+    span = f"{low}+" if lb == _MAX_LENGTH_BUCKET else f"{max(1, low)}-{low + _LENGTH_STEP - 1}"
     end = "last" if fe == 0 else f"{fe}{'+' if fe == _MAX_FROM_END else ''} from end"
     return f"chain {span}, {end}" + (", new after a known prefix" if extends else "")
 

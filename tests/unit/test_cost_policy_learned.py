@@ -29,7 +29,7 @@ def test_chain_context_labels_are_small_and_describe_the_chain(length: int, data
                                                               extends: bool) -> None:
     position = data.draw(st.integers(0, length - 1))
     label = chain_context(length, position, extends)
-    assert 0 <= label < 64
+    assert 0 <= label < 80
     text = describe_context(label)
     assert text.startswith("chain ") and ("new after a known prefix" in text) == extends
     assert ("last" in text) == (position == length - 1)
@@ -46,9 +46,12 @@ def test_chain_context_refuses_a_position_outside_the_chain(length: int, positio
 
 def test_chain_context_buckets() -> None:
     assert chain_context(40, 39) != chain_context(40, 10)  # the chain's end vs its inside
-    assert chain_context(40, 10) == chain_context(63, 0)  # 32-63 blocks, 3+ from the end
-    assert chain_context(40, 10) != chain_context(64, 0)  # another length bucket
-    assert describe_context(chain_context(40, 38)) == "chain 32-63, 1 from end"
+    assert chain_context(40, 10) == chain_context(47, 0)  # 32-47 blocks, 3+ from the end
+    assert chain_context(40, 10) != chain_context(48, 0)  # another length bucket
+    assert chain_context(130, 5) == chain_context(5000, 5)  # 128 blocks and more: one bucket
+    assert describe_context(chain_context(40, 38)) == "chain 32-47, 1 from end"
+    assert describe_context(chain_context(3, 0)) == "chain 1-15, 2 from end"
+    assert describe_context(chain_context(200, 199, True)) == "chain 128+, last, new after a known prefix"
     assert describe_context(NO_CONTEXT) == "no chain"
 
 
@@ -160,7 +163,7 @@ def test_a_chain_tail_is_evicted_before_an_inner_block_of_equal_bytes_cost_and_a
     assert p.eviction_score(tail, HOST_COST) < p.eviction_score(inner, HOST_COST)
     assert p.decide_eviction([inner, tail], 1, HOST_COST) == [tail.key]
     reason = p.explain(tail, TIERS)
-    assert "last in chain 32-63, last" in reason
+    assert "last in chain 32-47, last" in reason
 
 
 def test_a_hit_is_priced_with_the_access_it_brings() -> None:
@@ -238,8 +241,8 @@ async def test_the_store_passes_lookups_to_the_policy_and_inspect_shows_the_cont
             await store.put(r, Durability.MEMORY)
         explained = store.explain(keys[-1])
         assert explained is not None
-        assert "last in chain 4-7, last" in explained["policy"]["reuse_source"]
-        assert "last in chain 4-7, 3+ from end" in store.explain(keys[0])["policy"]["reuse_source"]  # type: ignore[index]
+        assert "last in chain 1-15, last" in explained["policy"]["reuse_source"]
+        assert "last in chain 1-15, 3+ from end" in store.explain(keys[0])["policy"]["reuse_source"]  # type: ignore[index]
         # A lookup that finds them: the hit is learned as a reuse in that context.
         assert (await store.lookup(keys)).combined == 5
         assert await store.get(keys[0]) is not None

@@ -87,7 +87,8 @@ def test_hindsight_odds_count_each_read_that_is_not_its_blocks_last_in_the_polic
     # Request 0's blocks 1 and 2 are read again (request 1), its tail 3 is not; request 1 reads
     # 1, 2 a second time (their last reads) and appends 4 after a known prefix; 5 is a one-off.
     assert odds[1, chain_context(3, 0)] == pytest.approx(1.5 / 2)
-    assert odds[1, chain_context(3, 2)] == pytest.approx(0.5 / 2)
+    assert odds[1, chain_context(3, 2)] == pytest.approx(0.5 / 3)  # the last of a 1-15 chain: 3's and 5's reads
+    assert chain_context(3, 2) == chain_context(1, 0)
     assert odds[1, chain_context(3, 2, True)] == pytest.approx(0.5 / 2)
     assert odds[2, chain_context(3, 0)] == pytest.approx(0.5 / 2)
     assert odds[1, NO_CONTEXT] == pytest.approx(2.5 / 6)  # 2 of the 5 first reads came back
