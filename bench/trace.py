@@ -96,13 +96,14 @@ class Request:
 
 
 def default_trace_path() -> Path:
-    """`../shared/data/<trace>` relative to the repository, else the same under any parent folder."""
+    """`../shared/data/<trace>` relative to the repository, else the same under any parent
+    folder, else the copy vendored in `bench/data/` (a clone without `../shared` beside it)."""
     repo = Path(__file__).resolve().parents[1]
     for base in (repo.parent, *repo.parents):
         candidate = base / "shared" / "data" / TRACE_NAME
         if candidate.exists():
             return candidate
-    return repo.parent / "shared" / "data" / TRACE_NAME
+    return Path(__file__).resolve().parent / "data" / TRACE_NAME
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[Request]:
@@ -501,7 +502,7 @@ def load_profile(path: str | None) -> tuple[CostProfile, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests, small budgets")
-    ap.add_argument("--trace", type=Path, default=None, help="Mooncake trace JSONL (default: ../shared/data/...)")
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake trace JSONL (default: ../shared/data/..., else bench/data/...)")
     ap.add_argument("--profile", default=None, help="calibration profile (default: the one at the default path)")
     ap.add_argument("--host-gib", type=float, nargs="+", default=None, help="host RAM budgets to sweep")
     ap.add_argument("--ssd-gib", type=float, default=64.0, help="SSD budget of the runs with SSD (0: none)")

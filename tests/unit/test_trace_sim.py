@@ -58,9 +58,8 @@ def test_budget_for_share_interpolates_in_log_budget() -> None:
 
 
 def test_trace_unique_blocks_take_18_6_gib_ours_and_34_6_gib_fp8() -> None:
-    path = default_trace_path()
-    if not path.exists():
-        pytest.skip(f"trace not at {path}")
+    path = default_trace_path()  # ../shared/data, else the copy in bench/data: always there
+    assert path.exists(), path
     reqs = load_trace(path)
     assert unique_block_bytes(reqs, OUR_BYTES_PER_TOKEN) / GIB == pytest.approx(18.6, abs=0.05)
     assert unique_block_bytes(reqs, FP8_BYTES_PER_TOKEN) / GIB == pytest.approx(34.6, abs=0.05)
