@@ -30,7 +30,8 @@ from typing import Any, Union
 
 import xxhash
 
-from tiers.record import HEADER_SIZE, Record, RecordError, decode_header, decode_record, encode_header, payload_checksum
+from tiers.record import (HEADER_SIZE, Record, RecordError, copy_hashing, decode_header, decode_record, encode_header,
+                          payload_checksum)
 
 
 Buffer = Union[bytes, memoryview]
@@ -108,24 +109,18 @@ def frame_slices(chunk_bytes: int) -> Callable[[bytes, int], list[tuple[bytes, i
     return layout
 
 
-COPY_HASH_BLOCK_BYTES = 256 << 10  # copied, then hashed while in cache (L2-sized: faster than 1 MiB here)
-
-
 def copy_hashed(dest: memoryview, parts: Sequence[Buffer], *, hash_parts: bool = True) -> int | None:
     """Copy `parts` one after another into `dest` (exactly as long) and return the xxh3 of what
-    was copied, hashed block by block right after each block's copy, while it is in cache (one
-    pass over memory instead of two); with `hash_parts=False` only copy (None)."""
+    was copied, hashed block by block right after each block's copy (`tiers.record.copy_hashing`);
+    with `hash_parts=False` only copy (None)."""
     hasher = xxhash.xxh3_64() if hash_parts else None
     at = 0
     for part in parts:
-        view = memoryview(part)
-        for start in range(0, len(view), COPY_HASH_BLOCK_BYTES):
-            block = view[start:start + COPY_HASH_BLOCK_BYTES]
-            end = at + len(block)
-            dest[at:end] = block
-            if hasher is not None:
-                hasher.update(dest[at:end])
-            at = end
+        n = len(memoryview(part))
+        if at + n > len(dest):
+            raise ValueError(f"copy_hashed: more than {len(dest)} bytes for a {len(dest)}-byte destination")
+        copy_hashing(dest[at:at + n], part, hasher)
+        at += n
     if at != len(dest):
         raise ValueError(f"copy_hashed: {at} bytes for a {len(dest)}-byte destination")
     return None if hasher is None else hasher.intdigest()

@@ -82,7 +82,7 @@ from typing import Any
 
 import xxhash
 
-from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header
+from tiers.record import HEADER_SIZE, RecordError, RecordHeader, copy_hashing, decode_header
 
 ALIGN = 4096  # O_DIRECT alignment of buffer, offset and length on every device we target
 NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -378,19 +378,6 @@ def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded:
         pending.result()
     staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
     _pwrite_all(fd, buf[:ALIGN], 0)
-
-
-COPY_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in cache (L2-sized)
-
-
-def copy_hashing(dest: memoryview, src: memoryview, hasher: Any) -> None:
-    """Copy `src` into `dest` (as long) block by block, hashing each block of `dest` right
-    after its copy, while it is in cache (one pass over memory instead of two). What is hashed
-    is what was copied, even if another process writes `src` (shared memory) meanwhile."""
-    for start in range(0, len(src), COPY_BLOCK_BYTES):
-        end = start + min(COPY_BLOCK_BYTES, len(src) - start)
-        dest[start:end] = src[start:end]
-        hasher.update(dest[start:end])
 
 
 def make_spares(directory: str | Path, names: Sequence[str], sync: bool = True) -> list[str]:

@@ -84,6 +84,7 @@ from tiers.record import (
     RecordError,
     RecordHeader,
     RecordKey,
+    copy_hashing,
     decode_header,
     decode_record,
     encode_header,
@@ -485,7 +486,7 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
                     pending.result()
                 start, stop = max(lo, HEADER_SIZE), min(got, file_bytes)
                 if stop > start:
-                    pending = helpers.submit(_fs.copy_hashing, target.dest[start - HEADER_SIZE:stop - HEADER_SIZE],
+                    pending = helpers.submit(copy_hashing, target.dest[start - HEADER_SIZE:stop - HEADER_SIZE],
                                              view[start:stop], hasher)
             if got < hi:
                 break

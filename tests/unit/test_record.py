@@ -323,3 +323,33 @@ def test_header_cache_decode_many_equals_decode_record(picks: list[tuple[int, in
                 assert isinstance(g, RecordError) and type(g) is type(exc)
             else:
                 assert g == want and g.payload == want.payload
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3 * (256 << 10) + 17), st.lists(st.integers(0, 600_000), max_size=4), st.booleans())
+def test_copy_hashing_copies_and_hashes_what_it_copied(size: int, cuts: list[int], hashed: bool) -> None:
+    """copy_hashing leaves dest equal to src and the hasher with the xxh3 of those bytes, across
+    block boundaries; wire.copy_hashed does the same over any split of the bytes into parts and
+    refuses parts that do not fill the destination exactly."""
+    import xxhash
+
+    from statestore.wire import copy_hashed
+    from tiers.record import copy_hashing
+
+    src = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    dest = bytearray(size)
+    hasher = xxhash.xxh3_64() if hashed else None
+    copy_hashing(memoryview(dest), src, hasher)
+    assert dest == src
+    if hasher is not None:
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
+    bounds = sorted({0, size, *(c for c in cuts if c < size)})
+    parts = [src[a:b] for a, b in zip(bounds, bounds[1:])]
+    dest2 = bytearray(size)
+    got = copy_hashed(memoryview(dest2), parts, hash_parts=hashed)
+    assert dest2 == src and got == (xxhash.xxh3_64_intdigest(src) if hashed else None)
+    with pytest.raises(ValueError, match="copy_hashed"):
+        copy_hashed(memoryview(bytearray(size + 1)), parts)
+    if size:
+        with pytest.raises(ValueError, match="copy_hashed"):
+            copy_hashed(memoryview(bytearray(size - 1)), parts)
