@@ -563,13 +563,19 @@ def read_upto(fd: int, max_bytes: int, buf: memoryview) -> memoryview:
     one byte more than they expect, so a file that grew shows as too long, not as whole.
     """
     view = buf[: round_up(max_bytes, ALIGN)]
-    got = 0
-    while got < max_bytes:
-        n = os.preadv(fd, [view[got:]], got)
+    return view[: min(read_range(fd, view, 0, len(view)), max_bytes)]
+
+
+def read_range(fd: int, view: memoryview, lo: int, hi: int) -> int:
+    """Bytes read into view[lo:hi] from file offset `lo` (aligned), one preadv of the whole range
+    continued only from aligned offsets, as O_DIRECT requires; fewer only at end of file."""
+    got = lo
+    while got < hi:
+        n = os.preadv(fd, [view[got:hi]], got)
         got += n
         if n == 0 or got % ALIGN:
             break
-    return view[: min(got, max_bytes)]
+    return got - lo
 
 
 def read_header(path: Path | str, *, dir_fd: int | None = None) -> tuple[RecordHeader, int]:

@@ -477,7 +477,7 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
     try:
         for lo in range(0, len(view), READ_PIECE_BYTES):
             hi = min(len(view), lo + READ_PIECE_BYTES)
-            got = lo + _read_range(fd, view, lo, hi)
+            got = lo + _fs.read_range(fd, view, lo, hi)
             if lo == 0:
                 checksum = _delivery_header(view[:got], file_bytes, target)
                 hasher = xxhash.xxh3_64() if checksum is not None else None
@@ -497,17 +497,6 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
     if hasher is not None and got == file_bytes and hasher.intdigest() == checksum:
         target.filled = True
     return data, checksum or 0
-
-
-def _read_range(fd: int, view: memoryview, lo: int, hi: int) -> int:
-    """Bytes read into view[lo:hi] from file offset `lo`; fewer only at end of file."""
-    got = lo
-    while got < hi:
-        n = os.preadv(fd, [view[got:hi]], got)
-        got += n
-        if n == 0 or got % _fs.ALIGN:
-            break
-    return got - lo
 
 
 def _delivery_header(head: memoryview, file_bytes: int, target: ReadTarget) -> int | None:
