@@ -84,3 +84,30 @@ def test_direct_round_trip_through_the_buffer(tmp_path: Path) -> None:
             assert bytes(_fs.read_upto(fd, len(data) + 1, buf)) == data
     finally:
         os.close(fd)
+
+
+def test_pool_keeps_recent_buffers_within_retain_bytes() -> None:
+    """Beyond `max_buffers`, recently returned buffers are kept while they fit in `retain_bytes`
+    (a batch of lent buffers comes back whole), the most recent first; idle ones are dropped."""
+    huge = _fs.HUGE_PAGE
+    pool = _fs.IOBuffers(max_buffers=1, retain_bytes=3 * huge, retain_idle_s=60.0)
+    taken = [pool.take(huge) for _ in range(5)]
+    for buf in taken:
+        pool.give(buf)
+    assert pool.free_bytes == 4 * huge  # the one always kept and three within retain_bytes
+    kept = [pool.take(huge) for _ in range(4)]
+    assert {id(b) for b in kept} == {id(b) for b in taken[1:]}  # the oldest extra was dropped
+    for buf in kept:
+        pool.give(buf)
+    pool._retain_idle_s = 0.0
+    pool.give(pool.take(huge))  # a give trims what has been idle since
+    assert pool.free_bytes == huge
+
+
+def test_pool_takes_the_smallest_buffer_that_fits() -> None:
+    pool = _fs.IOBuffers(max_buffers=4)
+    big, small = pool.take(3 * _fs.HUGE_PAGE), pool.take(1)
+    pool.give(small)
+    pool.give(big)
+    assert pool.take(10) is small  # not the most recent, which is larger than needed
+    assert pool.take(10) is big
