@@ -65,6 +65,7 @@ ext2, vfat) do not give more. That is what the spares buy back, without the assu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -74,7 +75,7 @@ import os
 import threading
 import weakref
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -338,6 +339,70 @@ class LaidOut(tuple):  # type: ignore[type-arg]
         return self
 
 
+class Piecewise(tuple):  # type: ignore[type-arg]
+    """Write chunks (header room, payload) of a large record that `_write_direct` copies into an
+    aligned buffer piece by piece while the previous pieces are written on `helpers`, instead of
+    hashing the payload, copying it whole and then writing it (a 17 MiB put spent ~2.5 ms of
+    its ~12 ms in that hash and copy on the development VM). The header is `head` when known;
+    else `make_head(checksum)` makes it once the copy has hashed the whole payload (`head` is
+    then set). Anywhere else (a buffered fallback) `plain()` gives the ordinary chunks."""
+
+    make_head: Callable[[int], bytes]
+    head: bytes | None
+    helpers: Executor
+
+    def __new__(cls, payload: Chunk, head: bytes | None, make_head: Callable[[int], bytes],
+                helpers: Executor) -> Piecewise:
+        self = super().__new__(cls, (head if head is not None else bytes(HEADER_SIZE), payload))
+        self.head, self.make_head, self.helpers = head, make_head, helpers
+        return self
+
+    def plain(self) -> tuple[bytes, Chunk]:
+        """(header, payload), hashing the payload now if the header is still to be made."""
+        if self.head is None:
+            self.head = self.make_head(xxhash.xxh3_64_intdigest(self[1]))
+        return self.head, self[1]
+
+
+WRITE_PIECE_BYTES = 2 << 20  # a Piecewise write copies pieces this large (a multiple of ALIGN)
+WRITE_PIECES_IN_FLIGHT = 2  # pieces written at once while the next is copied
+
+
+def _write_piecewise(fd: int, chunks: Piecewise, total: int, padded: int, buffers: IOBuffers) -> None:
+    """O_DIRECT write of a `Piecewise` record (its docstring). Each piece is copied (and hashed,
+    if the header waits for the checksum) on this thread, then written on a helper thread while
+    the next piece is copied. The first block, which holds the header, is written last, once
+    every other piece is on the file: a crash leaves a file whose header is a hole (zeros) or
+    one whose every byte is written, never one that a header and size check take for whole
+    while a piece in its middle is missing (the pieces may land out of order)."""
+    payload = memoryview(chunks[1]).cast("B")
+    hasher = xxhash.xxh3_64() if chunks.head is None else None
+    in_flight: collections.deque[Future[None]] = collections.deque()
+    with buffers.lease(padded) as buf:
+        try:
+            if padded != total:
+                buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
+            for lo in range(0, padded, WRITE_PIECE_BYTES):
+                hi = min(padded, lo + WRITE_PIECE_BYTES)
+                start, stop = max(lo, HEADER_SIZE), min(hi, total)
+                if stop > start:
+                    copy_hashing(buf[start:stop], payload[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
+                write_from = max(lo, ALIGN)
+                if hi > write_from:
+                    if len(in_flight) >= WRITE_PIECES_IN_FLIGHT:
+                        in_flight.popleft().result()
+                    in_flight.append(chunks.helpers.submit(_pwrite_all, fd, buf[write_from:hi], write_from))
+            while in_flight:
+                in_flight.popleft().result()
+        finally:
+            futures_wait(in_flight)  # none still writing from the buffer once it is given back
+        if hasher is not None:
+            chunks.head = chunks.make_head(hasher.intdigest())
+        assert chunks.head is not None
+        buf[:HEADER_SIZE] = chunks.head
+        _pwrite_all(fd, buf[:ALIGN], 0)
+
+
 def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffers) -> None:
     """O_DIRECT write of `chunks` padded to ALIGN, then truncated to `total`.
 
@@ -346,7 +411,9 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffe
     are `LaidOut` in one already: then only the header is copied, into its room.
     """
     padded = round_up(total, ALIGN)
-    if isinstance(chunks, LaidOut) and len(chunks) == 2 and len(chunks[0]) == HEADER_SIZE \
+    if isinstance(chunks, Piecewise):
+        _write_piecewise(fd, chunks, total, padded, buffers)
+    elif isinstance(chunks, LaidOut) and len(chunks) == 2 and len(chunks[0]) == HEADER_SIZE \
             and len(chunks.buf) >= padded:
         buf = chunks.buf
         buf[:HEADER_SIZE] = chunks[0]
@@ -576,7 +643,7 @@ def _write(fd: int, chunks: Sequence[Chunk], total: int, direct: bool, buffers: 
         os.lseek(fd, 0, os.SEEK_SET)
     if isinstance(chunks, LaidOut) and chunks.staged is not None:
         chunks.staged.fill()  # a pending fill the direct write did not finish: whole, from the start
-    _write_all(fd, chunks)
+    _write_all(fd, chunks.plain() if isinstance(chunks, Piecewise) else chunks)
 
 
 def remove_quietly(path: Path) -> None:

@@ -941,3 +941,52 @@ async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSD
     assert len(calls) >= 2
     assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
     assert_same(await tier.get(want.key), want)
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["hashed-by-the-write", "checksum-carried"])
+async def test_a_large_put_is_written_in_pieces_and_stored_bit_exactly(tier: SSDTier, carried: bool) -> None:
+    """A record of PIECEWISE_MIN_BYTES or more (not staged) is copied into the aligned buffer and
+    written piece by piece (`tiers._fs.Piecewise`), hashed by that copy when the record carries
+    no checksum (its header block written last, once the checksum is known): the file is the
+    record's encoding, byte for byte, and it reads back and survives a restart."""
+    from tiers.ssd import PIECEWISE_MIN_BYTES
+
+    built = rec(7, PIECEWISE_MIN_BYTES + 3 * 4096 + 55)
+    want = Record(built.header, built.payload, built.payload_sum()) if carried else built
+    assert await tier.put(want)
+    assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+    assert_same(await tier.get(want.key), want)
+    tier = await reopen(tier)
+    try:
+        assert_same(await tier.get(want.key), want)
+    finally:
+        await tier.aclose()
+
+
+async def test_a_large_put_refused_o_direct_midway_is_written_buffered(tier: SSDTier,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_DIRECT refused (EINVAL) after the first piece of a piecewise put: the write starts
+    again buffered, the header made from a hash of the whole payload, and the record is stored
+    bit-exactly; a piece that fails otherwise (EIO) fails the put and leaves nothing."""
+    from tiers.ssd import PIECEWISE_MIN_BYTES
+
+    want, failing = rec(8, PIECEWISE_MIN_BYTES + 4097), rec(9, PIECEWISE_MIN_BYTES + 1)
+    real_pwrite = os.pwrite
+    calls: list[int] = []
+
+    def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.EINVAL if calls[0] != -1 else errno.EIO, "O_DIRECT write refused")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+    assert await tier.put(want)
+    assert len(calls) >= 2
+    calls[:] = [-1]
+    assert not await tier.put(failing)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+    assert_same(await tier.get(want.key), want)
+    assert await tier.contains([failing.key]) == [False]
+    assert files_under(tier._layout.root) == [str(record_path(tier._layout.root, want).relative_to(tier._layout.root))]
