@@ -196,13 +196,14 @@ class IOBuffers:
         self._retain_bytes = retain_bytes
         self._retain_idle_s = retain_idle_s
         self._free: list[tuple[memoryview, float]] = []  # (buffer, when returned), most recent last
+        self._free_bytes = 0
         self._lock = threading.Lock()
 
     @property
     def free_bytes(self) -> int:
         """Bytes of the buffers kept free (mapped, faulted in, not in use)."""
         with self._lock:
-            return sum(len(buf) for buf, _ in self._free)
+            return self._free_bytes
 
     def take(self, nbytes: int) -> memoryview:
         """A buffer of at least `nbytes` for this caller alone, until `give`."""
@@ -216,7 +217,9 @@ class IOBuffers:
                     if size - nbytes < HUGE_PAGE:  # no smaller one can fit
                         break
             if best >= 0:
-                return free.pop(best)[0]
+                buf = free.pop(best)[0]
+                self._free_bytes -= len(buf)
+                return buf
         return map_io_buffer(nbytes)
 
     def give(self, buf: memoryview) -> None:
@@ -224,9 +227,12 @@ class IOBuffers:
         are dropped, the smallest first (unmapped once no view of them is left)."""
         now = time.monotonic()
         with self._lock:
-            self._free.append((buf, now))
-            if len(self._free) > self._max_buffers:
-                self._trim(now)
+            free = self._free
+            free.append((buf, now))
+            self._free_bytes += len(buf)
+            if len(free) > self._max_buffers and (self._free_bytes > self._retain_bytes
+                                                  or now - free[0][1] > self._retain_idle_s):
+                self._trim(now)  # (else all of them are kept: skip the sort)
 
     def _trim(self, now: float) -> None:
         """With the lock held, more than `max_buffers` free: keep the `max_buffers` largest
@@ -245,6 +251,7 @@ class IOBuffers:
                 keep.append(free[i])
         keep.reverse()
         self._free = keep
+        self._free_bytes = sum(len(buf) for buf, _ in keep)
 
     @contextlib.contextmanager
     def lease(self, nbytes: int) -> Iterator[memoryview]:
