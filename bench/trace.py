@@ -10,6 +10,10 @@ eviction goes through `TieredStore`; only time is modeled:
          + compute of what was not loaded (V4.1 engine costs per token by context)
          + the decoder tail (a bounded replay of R = 128 rows through the whole stack)
 
+Each result row also splits the mean TTFT into its parts (`BREAKDOWN`: first reads, re-read
+blocks not found, lead-ins of their runs, decoder tails and the part of them repeated chains
+pay, loads), so what a placement can still win is read off the run, not guessed.
+
 Each request first looks up its key chain (`TieredStore.lookup`, as an inference server
 does), then reads what is stored and puts what it rebuilt; a record's token range is the
 block's real tokens (a prompt's last block may be partial: cheaper to rebuild, same padded
@@ -220,6 +224,16 @@ class HindsightReuse(ReuseEstimator):
 
 # ----- one simulated run -----------------------------------------------------------------------------
 
+# The parts of a request's modeled TTFT (each a mean per request in a result row, `ttft_<part>_s`):
+BREAKDOWN = (
+    "first_read",  # encoder passes (and lead-ins) of blocks read for the first time: no cache can save them
+    "reuse_miss",  # encoder passes of blocks read before but not found: what placement decides
+    "lead_in",  # lead-ins of missing runs that start at a block read before: the most run-aware pricing could save
+    "tail",  # the decoder tail (R rows) of every request, or its last row where stored rings were loaded
+    "repeat_tail",  # the part of `tail` paid by requests whose chain ends where an earlier one ended: the most stored rings could save
+    "load",  # tier loads of the hits
+)
+
 @dataclass(slots=True)
 class RunResult:
     policy: str
@@ -236,6 +250,11 @@ class RunResult:
     decisions: dict[str, int] = field(default_factory=dict)  # the cost policy's admissions and refusals
     wall_s: float = 0.0
     policy_obj: PlacementPolicy | None = None
+    # Where the modeled seconds go, summed over requests (`BREAKDOWN`); bench accounting from
+    # the trace's own ids (which blocks were read before), never shown to a policy.
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
+    read_ids: set[int] = field(default_factory=set)  # hash ids read so far in this run
+    ended_ids: set[int] = field(default_factory=set)  # hash ids that ended a request's chain
 
     def row(self) -> dict[str, Any]:
         t = sorted(self.ttft_s)
@@ -251,6 +270,7 @@ class RunResult:
             "evicted_host": self.evictions.get("host", 0), "evicted_ssd": self.evictions.get("ssd", 0),
             "ssd_copies_refused": self.decisions.get("ssd refused", 0),
             "promotions_refused": self.decisions.get("host promotion refused", 0), "wall_s": self.wall_s,
+            **{f"ttft_{name}_s": total / max(1, len(self.ttft_s)) for name, total in self.seconds.items()},
         }
 
 
@@ -313,7 +333,21 @@ class Simulator:
             res.compute_s += t
             res.full_prefill_s += t
             res.blocks += len(req.hash_ids)
+            for i, h in enumerate(req.hash_ids):
+                res.seconds["reuse_miss" if h in res.read_ids else "first_read"] += self.block_compute_s(req, i)
+            self._count_tail(res, req, self.tail_s(req))
+        res.read_ids.clear()
+        res.ended_ids.clear()
         return res
+
+    @staticmethod
+    def _count_tail(res: RunResult, req: Request, tail_s: float) -> None:
+        """Book the request's tail (and, if its chain ends where an earlier one ended, as a repeat)."""
+        res.seconds["tail"] += tail_s
+        if req.hash_ids[-1] in res.ended_ids:
+            res.seconds["repeat_tail"] += tail_s
+        res.read_ids.update(req.hash_ids)
+        res.ended_ids.add(req.hash_ids[-1])
 
     async def run(self, name: str, host_gib: float, ssd_gib: float) -> RunResult:
         if name == "recompute":
@@ -346,6 +380,8 @@ class Simulator:
             res.ttft_s.append(ttft)
             res.compute_s += compute
         res.wall_s = time.perf_counter() - t0
+        res.read_ids.clear()  # bookkeeping of the run, not a result (and not worth pickling)
+        res.ended_ids.clear()
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
         res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
         if isinstance(policy, CostAwarePolicy):
@@ -371,7 +407,13 @@ class Simulator:
                 load += self.load_s(tier, HEADER_SIZE + layout.block_bytes)
                 rebuilt_prev = False
                 continue
-            compute += self.block_compute_s(req, i) + (0.0 if rebuilt_prev else self.lead_in_s(i))
+            block_s, lead_s = self.block_compute_s(req, i), (0.0 if rebuilt_prev else self.lead_in_s(i))
+            compute += block_s + lead_s
+            if req.hash_ids[i] in res.read_ids:
+                res.seconds["reuse_miss"] += block_s
+                res.seconds["lead_in"] += lead_s
+            else:
+                res.seconds["first_read"] += block_s + lead_s
             rebuilt_prev = True
             prefix_broken = layout.prefix_only
             meta = store.meta(rkey)
@@ -386,6 +428,8 @@ class Simulator:
                 await self._put(store, self.record(RING, keys[-1], layout.ring_bytes, req.input_length,
                                                    req.input_length), res)
         compute += tail
+        res.seconds["load"] += load
+        self._count_tail(res, req, tail)
         for i in to_put:
             start = BLOCK_TOKENS * i
             # The record covers the block's real tokens (the last one may be partial; its payload is padded).
@@ -455,6 +499,17 @@ def reuse_reason(cost: RunResult, lru: RunResult) -> str:
             "age alone. Rebuild cost enters the same ratio (block 0 has no lead-in; a partial last block covers fewer "
             "tokens): equally likely blocks that are cheaper to rebuild leave first")
     return "\n  ".join(lines)
+
+
+def describe_breakdown(cost: RunResult, lru: RunResult) -> str:
+    """Where each run's mean TTFT goes (`BREAKDOWN`), the cost-aware run next to LRU's."""
+    def parts(r: RunResult) -> str:
+        row = r.row()
+        return ", ".join(f"{name.replace('_', ' ')} {row[f'ttft_{name}_s'] * 1e3:.2f}" for name in BREAKDOWN)
+    budget = f"host {cost.host_gib:g} GiB" + (f" + SSD {cost.ssd_gib:g} GiB" if cost.ssd_gib else "")
+    return (f"where the mean TTFT goes at {budget}, ms per request (repeat tail is part of tail): cost-aware "
+            f"{parts(cost)}; LRU-ours {parts(lru)}. Only reuse misses, lead-ins, repeat tails and loads depend "
+            "on placement")
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, ssd_gib: float) -> None:
@@ -665,6 +720,7 @@ def compute_floors(results: Sequence[RunResult], requests: Sequence[Request], ho
         notes.append(f"cost-aware vs LRU over our records: worst mean-TTFT ratio {worst[0]:.3f} (host "
                      f"{worst[1].host_gib:g} GiB, ssd {worst[1].ssd_gib:g}); best gain {1 - best[0]:.1%}")
         notes.append("reason: " + reuse_reason(best[1], best[2]))
+        notes.append(describe_breakdown(best[1], best[2]))
     return floors, notes
 
 

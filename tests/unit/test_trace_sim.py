@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from bench.trace import (
+    BREAKDOWN,
     GIB,
     HINDSIGHT,
     HindsightReuse,
@@ -78,6 +79,31 @@ def test_a_short_run_goes_through_the_store_and_never_beats_physics() -> None:
     ours = asyncio.run(sim.run("lru-ours", 1.0, 0.0))
     assert ours.ttft_s[3] == pytest.approx(recompute.ttft_s[3])  # a cold request pays the full prefill
     assert ours.row()["gpu_s_saved"] > 0
+
+
+def test_the_ttft_breakdown_adds_up_and_books_each_part_where_it_belongs() -> None:
+    # Request 1 re-reads 1, 2 (a new tail 4); request 2 repeats request 0's chain exactly;
+    # request 3 is cold.
+    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(1.0, 1100, 1, (1, 2, 4)), Request(2.0, 1500, 1, (1, 2, 3)),
+            Request(3.0, 600, 1, (9, 10))]
+    sim = Simulator(reqs, CostProfile.v41_h200())
+    recompute = sim.recompute(1.0, 0.0)
+    for r in (recompute, *(asyncio.run(sim.run(name, 1.0, 0.0)) for name in ("lru-ours", "cost", "lru-all"))):
+        row = r.row()
+        assert sum(row[f"ttft_{name}_s"] for name in BREAKDOWN if name != "repeat_tail") == pytest.approx(
+            row["ttft_mean_s"]), r.policy
+        first = sum(sim.block_compute_s(reqs[i], j) for i, j in ((0, 0), (0, 1), (0, 2), (1, 2), (3, 0), (3, 1)))
+        if r is not recompute:  # request 1's new tail 4 follows two hits: its run pays the lead-in (a prefill does not)
+            first += sim.lead_in_s(2)
+        assert row["ttft_first_read_s"] == pytest.approx(first / 4), r.policy
+        assert not r.read_ids and not r.ended_ids  # run bookkeeping, dropped at the end
+    # Always-recompute rebuilds the 5 re-read blocks and pays every tail; request 2's is a repeat.
+    reread = sum(sim.block_compute_s(reqs[i], j) for i, j in ((1, 0), (1, 1), (2, 0), (2, 1), (2, 2)))
+    assert recompute.row()["ttft_reuse_miss_s"] == pytest.approx(reread / 4)
+    assert recompute.seconds["repeat_tail"] == pytest.approx(sim.tail_s(reqs[2]))
+    ours = asyncio.run(sim.run("lru-ours", 1.0, 0.0))  # 1 GiB holds everything: no reuse misses, no lead-ins
+    assert ours.seconds["reuse_miss"] == ours.seconds["lead_in"] == 0.0 < ours.seconds["load"]
+    assert ours.seconds["tail"] == pytest.approx(sum(sim.tail_s(r) for r in reqs))
 
 
 def test_hindsight_odds_count_each_read_that_is_not_its_blocks_last_in_the_policys_cells() -> None:
