@@ -132,6 +132,11 @@ def _write_all(fd: int, chunks: Sequence[Chunk]) -> None:
 
 
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size: what MADV_HUGEPAGE asks for
+# Buffers up to this size are plain page-aligned maps of their own size (rounded to ALIGN), not
+# huge pages: one O_DIRECT request of up to ~512 KiB is not split even over scattered 4 KiB
+# pages (`map_io_buffer`), and a record's read buffer lent as its payload (`IOBuffers.lend`)
+# then pins what a copy of the payload would, not a 2 MiB huge page.
+SMALL_IO_BUFFER_BYTES = 512 << 10
 
 
 def map_io_buffer(nbytes: int) -> memoryview:
@@ -146,8 +151,11 @@ def map_io_buffer(nbytes: int) -> memoryview:
     which `madvise(MADV_HUGEPAGE)` does not turn into huge pages. Where huge pages are not
     available the buffer is an ordinary page-aligned map, as before.
     """
-    size = round_up(max(nbytes, 1), HUGE_PAGE)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if nbytes <= SMALL_IO_BUFFER_BYTES:
+        size = round_up(max(nbytes, 1), ALIGN)
+        return memoryview(mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size))
+    size = round_up(nbytes, HUGE_PAGE)
     whole = mmap.mmap(-1, size + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE)
     start = -_address_of(whole) % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -206,13 +214,15 @@ class IOBuffers:
             return self._free_bytes
 
     def take(self, nbytes: int) -> memoryview:
-        """A buffer of at least `nbytes` for this caller alone, until `give`."""
+        """A buffer of at least `nbytes` for this caller alone, until `give`; a small one
+        (`SMALL_IO_BUFFER_BYTES`) is never served from a huge-page buffer (it may be lent)."""
+        limit = SMALL_IO_BUFFER_BYTES if nbytes <= SMALL_IO_BUFFER_BYTES else 1 << 62  # small: its own kind
         with self._lock:
             free = self._free
             best = -1
             for i in range(len(free) - 1, -1, -1):
                 size = len(free[i][0])
-                if size >= nbytes and (best < 0 or size < len(free[best][0])):
+                if nbytes <= size <= limit and (best < 0 or size < len(free[best][0])):
                     best = i
                     if size - nbytes < HUGE_PAGE:  # no smaller one can fit
                         break

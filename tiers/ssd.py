@@ -118,9 +118,15 @@ OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
 # A get (or get_many) of a record at least this large returns its payload as a view of the
 # pooled (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`);
 # the buffer is busy until the caller drops the payload (a batch maps one per record held, as
-# a copy would allocate one). Below it a view would pin a 2 MiB buffer per small record held,
-# and the copy costs little.
+# a copy would allocate one).
 LEND_MIN_BYTES = 1 << 20
+# Records from this size whose read buffer is a small one (up to `tiers._fs.SMALL_IO_BUFFER_BYTES`:
+# a plain map of the record's size, rounded to 4 KiB) are lent as well: a held payload pins what
+# its copy would. Those between (~0.5-1 MiB) are copied: their buffer is a 2 MiB huge page. The
+# copy and its allocation were what the machine's two cores could least afford with several
+# gets in flight (256 KiB, get_many at queue depth 4, interleaved rounds on the development VM:
+# 0.61-0.77 of the O_DIRECT reference copied, 0.83-1.03 lent); below this size the copy is cheap.
+SMALL_LEND_MIN_BYTES = 128 << 10
 # A get with a delivery target (`SSDTier.reading_into`) of a record at least this large reads
 # it in pieces of READ_PIECE_BYTES and copies each piece into the target on a helper thread
 # while the next piece is read. On the development VM (shared, load ~2.4), 32 MiB records read
@@ -1086,7 +1092,9 @@ class SSDTier(Tier):
 
     def _read_mode(self, entry: _Entry) -> tuple[bool, bool]:
         """(O_DIRECT, lend the read buffer as the payload) for a read of `entry`."""
-        return self._read_direct(entry), entry.file_bytes >= LEND_MIN_BYTES
+        size = entry.file_bytes
+        return self._read_direct(entry), size >= LEND_MIN_BYTES or \
+            SMALL_LEND_MIN_BYTES <= size and _fs.round_up(size + 1, _fs.ALIGN) <= _fs.SMALL_IO_BUFFER_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """Reads split over `max_concurrency` worker threads, one thread hop per share."""

@@ -23,7 +23,8 @@ import pytest
 from tests.proc import freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, encode_record, make_record
-from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SSDTier, _KeyLocks
+from tiers import _fs
+from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SMALL_LEND_MIN_BYTES, SSDTier, _KeyLocks
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
 
@@ -706,8 +707,10 @@ def _fs_dirs(tmp_path: Path) -> list[Path]:
 
 @pytest.mark.parametrize("where", ["tmp_path", "tmpfs"])
 async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path, where: str) -> None:
-    """A get of a record >= LEND_MIN_BYTES returns the payload as a read-only view of the pooled
-    buffer it was read into; the buffer serves the next get only once that view is gone."""
+    """A get of a record >= LEND_MIN_BYTES, or of one from SMALL_LEND_MIN_BYTES whose buffer is a
+    small one, returns the payload as a read-only view of the pooled buffer it was read into; the
+    buffer serves the next get only once that view is gone. Records between (their buffer would be
+    a 2 MiB huge page) and below are copied."""
     dirs = _fs_dirs(tmp_path)
     if where == "tmpfs" and len(dirs) < 2:
         pytest.skip("no writable /dev/shm")
@@ -715,8 +718,10 @@ async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path,
     tier = await SSDTier.create(root / "ssd", max_concurrency=1)
     try:
         big = [rec(i, LEND_MIN_BYTES + 4097 * i) for i in range(3)]
-        small = rec(9, 300_000)  # direct, but below the lending size: a copy
-        assert await tier.put_many([*big, small]) == [True] * 4
+        small = rec(9, 300_000)  # a small buffer of its own size: lent too
+        middle = rec(10, 700_000)  # its buffer would be a huge page: a copy
+        tiny = rec(11, SMALL_LEND_MIN_BYTES - HEADER_SIZE - 1)  # below the lending size: a copy
+        assert await tier.put_many([*big, small, middle, tiny]) == [True] * 6
         got = await tier.get(big[0].key)
         assert isinstance(got.payload, memoryview) and got.payload.readonly
         assert_same(got, big[0])
@@ -731,12 +736,17 @@ async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path,
         again = await tier.get(big[2].key)  # both buffers are back: the last one given back serves
         assert ctypes.addressof(again.payload.obj) in (in_use, other_buffer)  # reused, not a new map
         assert_same(again, big[2])
-        assert isinstance((await tier.get(small.key)).payload, bytes)
-        del again
-        many = await tier.get_many([r.key for r in big] + [small.key])  # a batch: one buffer per large record
-        assert [isinstance(g.payload, memoryview) for g in many] == [True, True, True, False]
-        assert len({ctypes.addressof(g.payload.obj) for g in many[:3]}) == 3
-        for g, want in zip(many, [*big, small]):
+        got_small = await tier.get(small.key)
+        assert isinstance(got_small.payload, memoryview) and got_small.payload.readonly
+        assert len(got_small.payload.obj) == _fs.round_up(HEADER_SIZE + 300_000 + 1, _fs.ALIGN)  # not 2 MiB
+        assert_same(got_small, small)
+        assert isinstance((await tier.get(middle.key)).payload, bytes)
+        assert isinstance((await tier.get(tiny.key)).payload, bytes)
+        del again, got_small
+        many = await tier.get_many([r.key for r in big] + [small.key, middle.key, tiny.key])  # one buffer per lent record
+        assert [isinstance(g.payload, memoryview) for g in many] == [True, True, True, True, False, False]
+        assert len({ctypes.addressof(g.payload.obj) for g in many[:4]}) == 4
+        for g, want in zip(many, [*big, small, middle, tiny]):
             assert_same(g, want)
     finally:
         await tier.aclose()

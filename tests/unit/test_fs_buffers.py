@@ -16,12 +16,23 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-@pytest.mark.parametrize("nbytes", [1, 4096, (2 << 20) + 1, 5 << 20])
+@pytest.mark.parametrize("nbytes", [_fs.SMALL_IO_BUFFER_BYTES + 1, (2 << 20) + 1, 5 << 20])
 def test_buffer_is_huge_page_aligned_and_large_enough(nbytes: int) -> None:
     buf = _fs.map_io_buffer(nbytes)
     assert len(buf) >= nbytes and len(buf) % _fs.HUGE_PAGE == 0
     assert _address(buf) % _fs.HUGE_PAGE == 0
     buf[-1:] = b"\x7f"  # writable to its last byte
+    assert buf[-1] == 0x7F
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 4097, (256 << 10) + 193, _fs.SMALL_IO_BUFFER_BYTES])
+def test_small_buffer_is_page_aligned_and_its_own_size(nbytes: int) -> None:
+    """Up to SMALL_IO_BUFFER_BYTES a buffer is a plain map of its size rounded to ALIGN (a lent
+    payload pins no more than its copy would), aligned for O_DIRECT."""
+    buf = _fs.map_io_buffer(nbytes)
+    assert len(buf) == _fs.round_up(nbytes, _fs.ALIGN)
+    assert _address(buf) % _fs.ALIGN == 0
+    buf[-1:] = b"\x7f"
     assert buf[-1] == 0x7F
 
 
@@ -51,7 +62,8 @@ def test_pool_keeps_at_most_max_buffers_dropping_the_smallest() -> None:
     taken = [pool.take(n) for n in (1, 3 << 20, 5 << 20)]
     for buf in taken:
         pool.give(buf)
-    kept = [pool.take(1), pool.take(1)]
+    large = _fs.SMALL_IO_BUFFER_BYTES + 1
+    kept = [pool.take(large), pool.take(large)]
     assert sorted(len(b) for b in kept) == [len(taken[1]), len(taken[2])]
     assert all(b is not taken[0] for b in kept)
 
@@ -105,9 +117,15 @@ def test_pool_keeps_recent_buffers_within_retain_bytes() -> None:
 
 
 def test_pool_takes_the_smallest_buffer_that_fits() -> None:
+    """Best fit; and a small request is never served from a huge-page buffer (a lent small
+    payload would pin 2 MiB), a new small buffer is mapped instead."""
     pool = _fs.IOBuffers(max_buffers=4)
-    big, small = pool.take(3 * _fs.HUGE_PAGE), pool.take(1)
-    pool.give(small)
-    pool.give(big)
-    assert pool.take(10) is small  # not the most recent, which is larger than needed
-    assert pool.take(10) is big
+    large = _fs.SMALL_IO_BUFFER_BYTES + 1
+    bigger, big, small = pool.take(3 * _fs.HUGE_PAGE), pool.take(large), pool.take(1)
+    for buf in (small, big, bigger):
+        pool.give(buf)
+    assert pool.take(large) is big  # not the most recent, which is larger than needed
+    assert pool.take(10) is small
+    fresh = pool.take(10)
+    assert fresh is not bigger and len(fresh) == _fs.ALIGN
+    assert pool.take(large) is bigger
