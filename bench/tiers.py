@@ -30,7 +30,11 @@ operation (`loop.run_in_executor`; the tier's own hop, `tiers._hop`, is leaner),
 `vs_async` is what the tier's own bookkeeping and verification cost beyond a thread hop,
 the hop being most of the gap at qd 1 on this VM (`tiers._hop` says why) (at qd 4 the tier's
 `put_many`/`get_many` take one hop per share of the batch, not per record: there
-`vs_async` above 1 is the hops they save). The tier's spare pool starts at 32 and grows to
+`vs_async` above 1 is the hops they save). For gets, `vs_sync` compares the tier with its own
+read + verify (`tiers.ssd._read_record`: open, O_DIRECT read, header and checksum checks, the
+payload lent or copied as a get does) run on qd plain threads, the way the reference runs:
+`ratio` / `vs_sync` is what the reference gets against the tier's work without the asyncio hop,
+so the two say how much of a gap is the hop and how much the work. The tier's spare pool starts at 32 and grows to
 its default limit of 256 in the first rounds (a round fills in place what the pool cannot,
 with a directory fsync each); from then on a round of up to 128 new keys takes half of it
 and its refill (creates and one directory fsync, in the background) waits until the puts
@@ -41,8 +45,9 @@ slower on the development VM, and both 2.3-2.5x the tier without spares).
 
 The process runs with the allocator setting of the service the tiers live in
 (`statestore.allocator.keep_large_buffers_in_heap`, applied by `StateStoreServer.start`):
-a get returns a fresh payload buffer (below 1 MiB for SSD gets: from 1 MiB up the payload is a
-view of the tier's pooled read buffer, `tiers.ssd.LEND_MIN_BYTES`), and without it glibc maps
+a get returns a fresh payload buffer (for SSD gets only below 128 KiB and between ~0.5 and 1 MiB:
+otherwise the payload is a view of the tier's pooled read buffer, `tiers.ssd.LEND_MIN_BYTES` and
+`SMALL_LEND_MIN_BYTES`), and without it glibc maps
 (and faults in, 256 pages per MiB) a new one for every large record, which cost a 1 MiB SSD get
 ~0.5 ms on top of its ~1.2 ms read on the development VM. The references allocate nothing per operation, so the
 setting only makes the tiers' own allocations what they are in the service.
@@ -77,6 +82,7 @@ from statestore.allocator import keep_large_buffers_in_heap
 from tiers.record import Record, encode_record, make_record
 from tiers._fs import IOBuffers, make_spares, map_io_buffer, write_new, write_spare
 from tiers.ssd import OVERLAP_DIR_SYNC_MIN_BYTES, SSDTier
+from tiers.ssd import _read_record as read_record
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 FLOOR_RATIO = 0.8
@@ -317,6 +323,14 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
     async def ref_read() -> float:
         return await asyncio.to_thread(run_pool, qd, lambda i: ref_get_direct(paths[i], buf, padded), n)
 
+    async def tier_reads_sync() -> float:
+        """The tier's own read + verify of each record (`tiers.ssd._read_record`, its payload
+        lent or copied as a get's) on qd plain threads: a get without the asyncio hop."""
+        await asyncio.to_thread(drop_cache, tier_paths)
+        jobs = [(str(path), r.key, tier._index[r.key].file_bytes, *tier._read_mode(tier._index[r.key]))
+                for path, r in zip(tier_paths, records)]
+        return await asyncio.to_thread(run_pool, qd, lambda i: _check_read(read_record(*jobs[i], tier._buffers)), n)
+
     async def tier_cold_gets() -> float:
         await asyncio.to_thread(drop_cache, tier_paths)
         return await _timed_gets(tier, records, qd)
@@ -337,13 +351,17 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         for i in range(n):  # both sides written for the get rounds
             ref_put_direct(paths[i], buf, padded, len(data))
         await _timed_puts(tier, records, qd)
-        gets = await measure(p.rounds, {"O_DIRECT read": ref_read, "async": async_read, "tier": tier_cold_gets},
-                             info=("async",))
+        gets = await measure(p.rounds, {"O_DIRECT read": ref_read, "async": async_read, "sync": tier_reads_sync,
+                                        "tier": tier_cold_gets}, info=("async", "sync"))
     finally:
         await tier.aclose()
         if dir_sync is not None:
             dir_sync.shutdown()
     return [row("ssd", "put", qd, size, n, puts, len(data)), row("ssd", "get", qd, size, n, gets, len(data))]
+
+
+def _check_read(result: Any) -> None:
+    assert result.record is not None, result
 
 
 async def _timed_puts(tier: Any, records: Sequence[Record], qd: int) -> float:
@@ -610,7 +628,7 @@ async def run(p: Params) -> None:
         rows, zstd_rows, merged_from = merge_previous(rows, zstd_rows)
     floors = make_floors(rows)
     cols = ["tier", "op", "qd", "size", "n", "gbps", "ops_s", "ref", "ref_gbps", "ratio", "vs_protocol",
-            "vs_dirsync", "vs_async"]
+            "vs_dirsync", "vs_async", "vs_sync"]
     print_table(rows, cols)
     print()
     print_table(zstd_rows, ["payload", "level", "bytes", "ratio", "compress_gbps", "decompress_gbps"])

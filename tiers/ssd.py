@@ -36,8 +36,12 @@ verified lazily by `get`). Spares hold no data blocks; they are not records and 
 
 Every disk operation is one call on the tier's own threads (`max_concurrency` of them, `tiers._hop`):
 encode + write + syncs for a put, open + read + verify for a get. Each takes an aligned I/O
-buffer from the tier's pool (`tiers._fs.IOBuffers`: huge pages, mapped and faulted in once,
-reused by whichever thread runs the next operation).
+buffer from the tier's pool (`tiers._fs.IOBuffers`: huge pages from 512 KiB, mapped and faulted
+in once, reused by whichever thread runs the next operation). A get of a record from 128 KiB
+(`SMALL_LEND_MIN_BYTES`, `LEND_MIN_BYTES`) returns its payload as a read-only view of the buffer
+it was read into, which goes back to the pool when the caller drops the payload, instead of
+copying it out; a put of 8 MiB or more copies the payload into its buffer piece by piece while
+the previous pieces are written (`PIECEWISE_MIN_BYTES`).
 
 Two hand-offs let a large record skip a copy of its own. `staging` lends a pool buffer laid out
 as the record's file (header room, payload): a caller that assembles a record there gets it
