@@ -61,7 +61,7 @@ from statestore.types import (
     TierProfile,
     TierStats,
 )
-from tiers.base import Tier, TierUsage
+from tiers.base import Tier
 from tiers.pools import Slice, page_bytes_for
 from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
 
@@ -440,14 +440,12 @@ class TieredStore:
         """
         tier = self._tiers[name]
         need = tier.footprint(record)
-        usage: TierUsage | None = tier.usage()
-        budget = usage.budget_bytes
+        budget, _ = tier.occupancy()
         if budget and need > budget:
             return _Placed.NO_ROOM
         freed_after_refusal = 0
         while True:
-            short = self._shortfall(name, need, usage)
-            usage = None  # what follows may await: later rounds take a fresh snapshot
+            short = self._shortfall(name, need)  # a fresh snapshot each round: what follows may await
             if short > 0:
                 if await self._make_room(name, short, op):
                     continue
@@ -489,11 +487,11 @@ class TieredStore:
             settled, self._settled = self._settled, asyncio.Event()
             settled.set()
 
-    def _shortfall(self, name: TierName, need: int, usage: TierUsage | None = None) -> int:
-        usage = usage or self._tiers[name].usage()
-        if not usage.budget_bytes:
+    def _shortfall(self, name: TierName, need: int) -> int:
+        budget, resident = self._tiers[name].occupancy()
+        if not budget:
             return 0
-        return usage.resident_bytes + self._writing_bytes[name] + need - usage.budget_bytes
+        return resident + self._writing_bytes[name] + need - budget
 
     async def _make_room(self, name: TierName, need: int, op: _Op) -> int:
         """Evict the policy's victims for `need` bytes; 0 when the evictable data cannot cover it."""
@@ -630,8 +628,10 @@ class TieredStore:
         costs = self._costs()  # nothing moves before the promotion decision: one snapshot serves both
         self._set_meta(meta, costs)
         self._invoker.on_access(meta, source)
+        if record is None:  # no faster tier to promote into (`get_slices`): nothing to decide
+            return
         targets = self._invoker.decide_promote(meta, source, costs) - meta.tiers
-        if record is None or not targets or not self._gate.claim(key):
+        if not targets or not self._gate.claim(key):
             return
         op = _Op()
         try:
@@ -830,10 +830,9 @@ class TieredStore:
 
     def _tier_cost(self, name: TierName) -> TierCost:
         tier = self._tiers[name]
-        usage = tier.usage()
+        budget, resident = tier.occupancy()
         profile = self._config.tier_profiles.get(name) or DEFAULT_TIER_PROFILES[name]
-        return TierCost(name, profile.latency_s, profile.bandwidth_bytes_per_s, usage.budget_bytes,
-                        usage.resident_bytes, tier.healthy)
+        return TierCost(name, profile.latency_s, profile.bandwidth_bytes_per_s, budget, resident, tier.healthy)
 
     def _costs(self) -> Mapping[TierName, TierCost]:
         """The present tiers' costs as they are now (read them before anything awaits)."""

@@ -93,6 +93,13 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Bytes held, per kind, counting headers, padding and index."""
 
+    def occupancy(self) -> tuple[int, int]:
+        """(budget_bytes, resident_bytes) of `usage()`, without its per-kind breakdown: what
+        the store reads on every put and hit. A tier that keeps the totals at hand answers
+        without building the snapshot."""
+        usage = self.usage()
+        return usage.budget_bytes, usage.resident_bytes
+
     @abc.abstractmethod
     def footprint(self, record: Record) -> int:
         """Resident bytes `record` would take in this tier."""

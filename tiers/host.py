@@ -136,6 +136,9 @@ class HostTier(Tier):
         """
         return TierUsage(self.name, self._pools.budget.capacity_bytes, self._pools.usage_by_kind())
 
+    def occupancy(self) -> tuple[int, int]:
+        return self._pools.budget.capacity_bytes, self._pools.resident_bytes
+
     def footprint(self, record: Record) -> int:
         return self._pools.footprint(record.header.kind, len(record.payload))
 

@@ -117,6 +117,11 @@ async def test_usage_grows_by_exactly_footprint_per_kind(tier: Tier) -> None:
         before = tier.usage().resident_bytes
         assert await tier.put(record)
         assert tier.usage().resident_bytes - before == tier.footprint(record)
+        # the store's fast read of the totals agrees with the snapshot
+        assert tier.occupancy() == (tier.usage().budget_bytes, tier.usage().resident_bytes)
+    assert await tier.delete(records[2].key)
+    assert tier.occupancy() == (tier.usage().budget_bytes, tier.usage().resident_bytes)
+    assert await tier.put(records[2])
     usage = tier.usage()
     assert sorted(usage.by_kind) == [1, 2]
     assert usage.by_kind[1].num_records == 2 and usage.by_kind[2].num_records == 2
