@@ -954,14 +954,17 @@ async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSD
 
 
 @pytest.mark.parametrize("carried", [False, True], ids=["hashed-by-the-write", "checksum-carried"])
-async def test_a_large_put_is_written_in_pieces_and_stored_bit_exactly(tier: SSDTier, carried: bool) -> None:
+@pytest.mark.parametrize("pieces", [True, False], ids=["in-pieces", "one-pass"])
+async def test_a_large_put_is_written_in_pieces_and_stored_bit_exactly(tier: SSDTier, carried: bool,
+                                                                       pieces: bool) -> None:
     """A record of PIECEWISE_MIN_BYTES or more (not staged) is copied into the aligned buffer and
     written piece by piece (`tiers._fs.Piecewise`), hashed by that copy when the record carries
-    no checksum (its header block written last, once the checksum is known): the file is the
-    record's encoding, byte for byte, and it reads back and survives a restart."""
+    no checksum (its header block written last, once the checksum is known); a smaller O_DIRECT
+    one without a checksum is hashed by its copy and written whole: the file is the record's
+    encoding, byte for byte, and it reads back and survives a restart."""
     from tiers.ssd import PIECEWISE_MIN_BYTES
 
-    built = rec(7, PIECEWISE_MIN_BYTES + 3 * 4096 + 55)
+    built = rec(7, PIECEWISE_MIN_BYTES + 3 * 4096 + 55 if pieces else (1 << 20) + 55)
     want = Record(built.header, built.payload, built.payload_sum()) if carried else built
     assert await tier.put(want)
     assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
