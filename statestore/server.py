@@ -61,6 +61,7 @@ MAX_REGISTERED_MODELS = 1024  # fingerprints RegisterModel remembers: bounded, s
 _KNOWN_KINDS = frozenset(int(k) for k in StateKind)
 _ZERO_TENANT = bytes(TENANT_BYTES)
 _DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
+TIER_PROBE_S = 1.0  # how often tiers that are down are probed (each tier paces its own retries too)
 
 
 # ----- StateStore ----------------------------------------------------------------------------
@@ -517,6 +518,7 @@ class StateStoreServer:
         self.shm = ShmAttachments()  # clients' shared-memory regions (statestore/shm.py)
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
 
     def live_sessions(self) -> int:
         return len(getattr(self.sessions, "_live", {}))
@@ -572,6 +574,7 @@ class StateStoreServer:
                 await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if c.metrics_port:
                 self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
+            self._watch = asyncio.create_task(self._watch_tiers(), name="statestore-tier-probe")
         except BaseException:
             self._server = None
             await server.stop(0)
@@ -605,7 +608,23 @@ class StateStoreServer:
             raise OSError(f"cannot bind {c.listen}")
         return port
 
+    async def _watch_tiers(self) -> None:
+        """Probe the tiers that are down once per `TIER_PROBE_S`: a Redis that came back is
+        healthy again within a probe (and its retry pacing), whether or not traffic reaches for it."""
+        while True:
+            await asyncio.sleep(TIER_PROBE_S)
+            try:
+                for name, healthy in (await self.store.probe_unhealthy()).items():
+                    logger.debug("tier %s probed: %s", name.value, "healthy" if healthy else "still down")
+            except Exception:  # noqa: BLE001 - a background loop: a failed probe must not end the probing
+                logger.warning("probing the tiers that are down failed; trying again", exc_info=True)
+
     async def _close_layers(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         await self.sessions.aclose()
         await self.store.aclose()
         self.metrics.close()

@@ -323,6 +323,12 @@ class TieredStore:
         for tier in self._tiers.values():
             await tier.aclose()
 
+    async def probe_unhealthy(self) -> dict[TierName, bool]:
+        """Probe every tier that is down (`Tier.probe`, paced by the tier): a shared tier that
+        came back is marked healthy even when no get, put or lookup has reached for it, so its
+        health in `stats()` tells the truth. Returns the probed tiers' health."""
+        return {name: await tier.probe() for name, tier in self._tiers.items() if not tier.healthy}
+
     async def __aenter__(self) -> TieredStore:
         await self.open()
         return self

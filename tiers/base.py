@@ -133,5 +133,11 @@ class Tier(abc.ABC):
     def healthy(self) -> bool:
         return True
 
+    async def probe(self) -> bool:
+        """Ask the medium whether it answers again, at most as often as the tier's own retry
+        pacing allows (an unhealthy tier learns it recovered without waiting for traffic);
+        returns `healthy`. Never raises."""
+        return self.healthy
+
     async def aclose(self) -> None:
         """Release connections and files. Async resources are never closed by __del__."""

@@ -233,6 +233,12 @@ class RedisTier(Tier):
             logger.warning("redis answers again; tier healthy")
         self._healthy = True
 
+    async def probe(self) -> bool:
+        """PING once the cooldown after the last failure has passed (before it: no call)."""
+        if not self._healthy:
+            await self._attempt("ping", self._client.ping)
+        return self._healthy
+
     async def check_health(self) -> bool:
         """PING now, ignoring the cooldown; updates and returns `healthy`."""
         self._skip_until = 0.0

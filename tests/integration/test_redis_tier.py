@@ -219,12 +219,14 @@ async def test_outage_degrades_to_misses_and_recovers(redis_process_factory: Cal
         assert await tier.prefix_hits(keys) == 0
         assert await tier.delete(keys[0]) is False
         assert (await tier.scan()).headers == []
+        assert await tier.probe() is False  # within the cooldown: no call at all
         assert time.monotonic() - started < 0.5, "calls during the cooldown must not wait on the network"
         assert await tier.check_health() is False
 
         server.start()  # same port, same directory: the AOF brings the data back
-        await eventually(lambda: tier.get(keys[0]))
-        assert tier.healthy is True
+        await eventually(tier.probe)  # health comes back without any get or put reaching for it
+        assert tier.healthy is True and tier.usage().healthy is True
+        assert await tier.get(keys[0]) is not None
         for got, want in zip(await tier.get_many(keys), records):
             assert_same(got, want)
         assert await tier.put(rec(9)) is True
