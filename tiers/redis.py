@@ -23,7 +23,9 @@ Outages: every call goes through `_attempt`. A connection error or timeout (sock
 0.5 s by default, no client retries) turns into a miss / False, sets `healthy` to False and
 starts a cooldown during which calls return at once without touching the network, so a dead
 Redis costs nothing per call; the first call after the cooldown tries again, and the first
-success sets `healthy` back to True. Callers never see an exception from this tier.
+success sets `healthy` back to True. `probe` is such a call (a PING) for a node with no
+traffic: the server probes tiers that are down once a second, so `healthy` comes back on its
+own. Callers never see an exception from this tier.
 """
 
 from __future__ import annotations
