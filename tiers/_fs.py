@@ -382,7 +382,7 @@ class Piecewise(tuple):  # type: ignore[type-arg]
         return self.head, self[1]
 
 
-WRITE_PIECE_BYTES = 2 << 20  # a Piecewise write copies pieces this large (a multiple of ALIGN)
+WRITE_PIECE_BYTES = 2 << 20  # piecewise writes and deferred fills copy pieces this large (a multiple of ALIGN)
 WRITE_PIECES_IN_FLIGHT = 2  # pieces written at once while the next is copied
 
 
@@ -406,31 +406,41 @@ def _write_piecewise(fd: int, chunks: Piecewise, total: int, padded: int, buffer
                 buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
             _write_aligned(fd, buf, padded)
         return
-    helpers = chunks.helpers
-    in_flight: collections.deque[Future[None]] = collections.deque()
     with buffers.lease(padded) as buf:
-        try:
-            if padded != total:
-                buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
-            for lo in range(0, padded, WRITE_PIECE_BYTES):
-                hi = min(padded, lo + WRITE_PIECE_BYTES)
-                start, stop = max(lo, HEADER_SIZE), min(hi, total)
-                if stop > start:
-                    copy_hashing(buf[start:stop], payload[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
-                write_from = max(lo, ALIGN)
-                if hi > write_from:
-                    if len(in_flight) >= WRITE_PIECES_IN_FLIGHT:
-                        in_flight.popleft().result()
-                    in_flight.append(helpers.submit(_pwrite_all, fd, buf[write_from:hi], write_from))
-            while in_flight:
-                in_flight.popleft().result()
-        finally:
-            futures_wait(in_flight)  # none still writing from the buffer once it is given back
+        if padded != total:
+            buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
+        _copy_and_write_pieces(fd, buf, payload, total, padded, hasher, chunks.helpers, WRITE_PIECES_IN_FLIGHT)
         if hasher is not None:
             chunks.head = chunks.make_head(hasher.intdigest())
         assert chunks.head is not None
         buf[:HEADER_SIZE] = chunks.head
         _pwrite_all(fd, buf[:ALIGN], 0)
+
+
+def _copy_and_write_pieces(fd: int, buf: memoryview, payload: Chunk, total: int, padded: int,
+                           hasher: Any, helpers: Executor, max_in_flight: int) -> None:
+    """Copy `payload` into `buf` after its HEADER_SIZE bytes of header room, piece by piece
+    (`WRITE_PIECE_BYTES`, hashing each into `hasher` right after its copy when one is given),
+    each piece written on `helpers` while the next is copied, at most `max_in_flight` writes
+    at once. On return every block of the file but the first is written; the caller writes
+    the first, which holds the header, last. A failed write raises once none is in flight
+    any more (so none still writes from `buf` after this returns or raises)."""
+    in_flight: collections.deque[Future[None]] = collections.deque()
+    try:
+        for lo in range(0, padded, WRITE_PIECE_BYTES):
+            hi = min(padded, lo + WRITE_PIECE_BYTES)
+            start, stop = max(lo, HEADER_SIZE), min(hi, total)
+            if stop > start:
+                copy_hashing(buf[start:stop], payload[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
+            write_from = max(lo, ALIGN)  # the header's block waits
+            if hi > write_from:
+                if len(in_flight) >= max_in_flight:
+                    in_flight.popleft().result()
+                in_flight.append(helpers.submit(_pwrite_all, fd, buf[write_from:hi], write_from))
+        while in_flight:
+            in_flight.popleft().result()
+    finally:
+        futures_wait(in_flight)
 
 
 def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffers) -> None:
@@ -482,7 +492,6 @@ def _write_aligned(fd: int, buf: memoryview, padded: int) -> None:
         done += os.write(fd, buf[done:padded])
 
 
-FILL_PIECE_BYTES = 2 << 20  # a deferred fill copies and writes pieces this large (a multiple of ALIGN)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -501,23 +510,7 @@ def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded:
     source = staged._source
     assert source is not None
     hasher = xxhash.xxh3_64()
-    pending: Future[None] | None = None
-    try:
-        for lo in range(0, padded, FILL_PIECE_BYTES):
-            hi = min(padded, lo + FILL_PIECE_BYTES)
-            start, stop = max(lo, HEADER_SIZE), min(hi, total)
-            if stop > start:
-                copy_hashing(buf[start:stop], source[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
-            write_from = max(lo, ALIGN)  # the header's block waits for the checksum
-            if hi > write_from:
-                if pending is not None:
-                    pending.result()
-                pending = helpers.submit(_pwrite_all, fd, buf[write_from:hi], write_from)
-    finally:
-        if pending is not None:
-            futures_wait([pending])
-    if pending is not None:
-        pending.result()
+    _copy_and_write_pieces(fd, buf, source, total, padded, hasher, helpers, 1)
     staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
     _pwrite_all(fd, buf[:ALIGN], 0)
 

@@ -894,7 +894,7 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
     in pieces, the header piece last), or whole before a buffered or compressed write; a source
     that does not match the checksum fails the put with RecordError and leaves no file, no index
     entry; an intact one is stored bit-exactly and survives a restart."""
-    from tiers._fs import FILL_PIECE_BYTES
+    from tiers._fs import WRITE_PIECE_BYTES
 
     if path == "buffered":  # a file system refusing O_DIRECT at open
         real_open = os.open
@@ -902,10 +902,10 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
             OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
     kind = 5 if path == "zstd" else 1
     tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds={5: 1} if path == "zstd" else None)
-    want = rec(1, 2 * FILL_PIECE_BYTES + 4321, kind=kind)
+    want = rec(1, 2 * WRITE_PIECE_BYTES + 4321, kind=kind)
     try:
         source = bytearray(want.payload)
-        source[FILL_PIECE_BYTES + 99] ^= 0x20  # corrupt in the second piece
+        source[WRITE_PIECE_BYTES + 99] ^= 0x20  # corrupt in the second piece
         with tier.staging(len(want.payload)) as staged:
             staged.defer_fill(memoryview(source), want.payload_sum())
             assert staged.pending
@@ -930,9 +930,9 @@ async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSD
     """A file system that accepts O_DIRECT at open but refuses the writes (EINVAL) midway
     through a deferred fill: the write starts again buffered with the whole payload copied and
     verified first, and the record is stored bit-exactly."""
-    from tiers._fs import FILL_PIECE_BYTES
+    from tiers._fs import WRITE_PIECE_BYTES
 
-    want = rec(3, 3 * FILL_PIECE_BYTES + 777)
+    want = rec(3, 3 * WRITE_PIECE_BYTES + 777)
     real_pwrite = os.pwrite
     calls: list[int] = []
 
