@@ -235,6 +235,35 @@ BREAKDOWN = (
 )
 
 @dataclass(slots=True)
+class Breakdown:
+    """Books one run's modeled seconds into `seconds` (`BREAKDOWN`): bench accounting from the
+    trace's own ids (which blocks were read before, which chains ended where), never shown to a
+    policy, and kept only while the run lasts."""
+
+    seconds: dict[str, float]
+    read_ids: set[int] = field(default_factory=set)  # hash ids read so far in this run
+    ended_ids: set[int] = field(default_factory=set)  # hash ids that ended a request's chain
+
+    def missing(self, hash_id: int, block_s: float, lead_in_s: float) -> None:
+        """A block that was not loaded: its encoder pass and the lead-in its run paid."""
+        if hash_id in self.read_ids:
+            self.seconds["reuse_miss"] += block_s
+            self.seconds["lead_in"] += lead_in_s
+        else:
+            self.seconds["first_read"] += block_s + lead_in_s
+
+    def request_done(self, req: Request, tail_s: float, load_s: float) -> None:
+        """The request's tail (a repeat if its chain ends where an earlier one ended) and loads;
+        its blocks count as read from here on."""
+        self.seconds["tail"] += tail_s
+        if req.hash_ids[-1] in self.ended_ids:
+            self.seconds["repeat_tail"] += tail_s
+        self.seconds["load"] += load_s
+        self.read_ids.update(req.hash_ids)
+        self.ended_ids.add(req.hash_ids[-1])
+
+
+@dataclass(slots=True)
 class RunResult:
     policy: str
     host_gib: float
@@ -250,11 +279,8 @@ class RunResult:
     decisions: dict[str, int] = field(default_factory=dict)  # the cost policy's admissions and refusals
     wall_s: float = 0.0
     policy_obj: PlacementPolicy | None = None
-    # Where the modeled seconds go, summed over requests (`BREAKDOWN`); bench accounting from
-    # the trace's own ids (which blocks were read before), never shown to a policy.
+    # Where the modeled seconds go, summed over requests (`BREAKDOWN`, booked by `Breakdown`).
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
-    read_ids: set[int] = field(default_factory=set)  # hash ids read so far in this run
-    ended_ids: set[int] = field(default_factory=set)  # hash ids that ended a request's chain
 
     def row(self) -> dict[str, Any]:
         t = sorted(self.ttft_s)
@@ -327,6 +353,7 @@ class Simulator:
 
     def recompute(self, host_gib: float, ssd_gib: float) -> RunResult:
         res = RunResult("recompute", host_gib, ssd_gib)
+        booked = Breakdown(res.seconds)
         for req in self.requests:
             t = self.full_prefill_s(req)
             res.ttft_s.append(t)
@@ -334,20 +361,9 @@ class Simulator:
             res.full_prefill_s += t
             res.blocks += len(req.hash_ids)
             for i, h in enumerate(req.hash_ids):
-                res.seconds["reuse_miss" if h in res.read_ids else "first_read"] += self.block_compute_s(req, i)
-            self._count_tail(res, req, self.tail_s(req))
-        res.read_ids.clear()
-        res.ended_ids.clear()
+                booked.missing(h, self.block_compute_s(req, i), 0.0)  # a prefill has no lead-ins
+            booked.request_done(req, self.tail_s(req), 0.0)
         return res
-
-    @staticmethod
-    def _count_tail(res: RunResult, req: Request, tail_s: float) -> None:
-        """Book the request's tail (and, if its chain ends where an earlier one ended, as a repeat)."""
-        res.seconds["tail"] += tail_s
-        if req.hash_ids[-1] in res.ended_ids:
-            res.seconds["repeat_tail"] += tail_s
-        res.read_ids.update(req.hash_ids)
-        res.ended_ids.add(req.hash_ids[-1])
 
     async def run(self, name: str, host_gib: float, ssd_gib: float) -> RunResult:
         if name == "recompute":
@@ -371,24 +387,24 @@ class Simulator:
                                                                   RING: Retention.REBUILDABLE},
                                                tier_profiles=self.tier_profiles, eviction_window=8))
         res = RunResult(name, host_gib, ssd_gib, policy_obj=policy)
+        booked = Breakdown(res.seconds)
         t0 = time.perf_counter()
         for req in self.requests:
             now[0] = req.t_s
             full = self.full_prefill_s(req)
             res.full_prefill_s += full
-            ttft, compute = await self._request(store, layout, req, res)
+            ttft, compute = await self._request(store, layout, req, res, booked)
             res.ttft_s.append(ttft)
             res.compute_s += compute
         res.wall_s = time.perf_counter() - t0
-        res.read_ids.clear()  # bookkeeping of the run, not a result (and not worth pickling)
-        res.ended_ids.clear()
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
         res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
         if isinstance(policy, CostAwarePolicy):
             res.decisions = dict(policy.decisions)
         return res
 
-    async def _request(self, store: TieredStore, layout: Layout, req: Request, res: RunResult) -> tuple[float, float]:
+    async def _request(self, store: TieredStore, layout: Layout, req: Request, res: RunResult,
+                       booked: Breakdown) -> tuple[float, float]:
         """One request: load what is stored, rebuild or prefill the rest, store it. -> (TTFT, compute)."""
         keys = [self.block_key(req, i) for i in range(len(req.hash_ids))]
         res.blocks += len(keys)
@@ -409,11 +425,7 @@ class Simulator:
                 continue
             block_s, lead_s = self.block_compute_s(req, i), (0.0 if rebuilt_prev else self.lead_in_s(i))
             compute += block_s + lead_s
-            if req.hash_ids[i] in res.read_ids:
-                res.seconds["reuse_miss"] += block_s
-                res.seconds["lead_in"] += lead_s
-            else:
-                res.seconds["first_read"] += block_s + lead_s
+            booked.missing(req.hash_ids[i], block_s, lead_s)
             rebuilt_prev = True
             prefix_broken = layout.prefix_only
             meta = store.meta(rkey)
@@ -428,8 +440,7 @@ class Simulator:
                 await self._put(store, self.record(RING, keys[-1], layout.ring_bytes, req.input_length,
                                                    req.input_length), res)
         compute += tail
-        res.seconds["load"] += load
-        self._count_tail(res, req, tail)
+        booked.request_done(req, tail, load)
         for i in to_put:
             start = BLOCK_TOKENS * i
             # The record covers the block's real tokens (the last one may be partial; its payload is padded).
