@@ -1,7 +1,7 @@
 """LMCache as the baseline (issue 9): the same chunks through LMCache 0.5.6's own tiers and
 through statestore behind LMCache (our plugin), in one run.
 
-    .venv-lmcache/bin/python -m bench.lmcache_compare [--quick] [--chunks N] [--models a,b]
+    .venv-lmcache/bin/python -m bench.lmcache_compare [--quick] [--chunks N] [--rounds R] [--models a,b]
     (make test-lmcache builds .venv-lmcache; Redis must answer on 127.0.0.1:6379)
 
 Payloads: random bf16 LMCache chunks of 256 tokens, in LMCache's layout:
@@ -35,6 +35,14 @@ acknowledged (this machine's Redis keeps nothing on disk: "redis SET" survives r
 LMCache and statestore, not of Redis). Reads of files (LMCache's disk without O_DIRECT,
 statestore's SSD tier) come from the page cache right after the write, for both. Figures on
 the shared 2-core CPU are relative only.
+
+Rounds (`--rounds`, default 2): every path runs once per round, LMCache's side first in even
+rounds and ours first in odd ones. The machine is shared, its disk's speed swings up to 3x
+within an hour and the local Redis keeps the memory state the previous path left, so one pass
+in a fixed order measured order and drift as much as the paths (a floor pair swung from 0.66 to
+1.4 between two runs). Each row carries its `round`; the `median` rows give each figure's
+median over the rounds, and a floor is the median of the rounds' ratios (`ratios_by_round` in
+the results' params).
 
 Floors (issue 9): statestore's SSD path >= LMCache's local disk with O_DIRECT, put and get;
 statestore over Redis >= LMCache's `redis://`, put and get.
@@ -444,51 +452,115 @@ def run_lmcache_redis(name: str, num_chunks: int) -> list[dict[str, Any]]:
     return rows
 
 
+def run_rounds(name: str, num_chunks: int, work: Path, rounds: int, only: Sequence[str]) -> list[dict[str, Any]]:
+    """Every path of one model, `rounds` times: LMCache's side then ours in even rounds, ours then
+    LMCache's in odd ones (as `bench.server` alternates), each row tagged with its round. The
+    machine is shared and its disk swings within minutes; the two sides of a floor measured back
+    to back in both orders let order and drift cancel in the median of the rounds' ratios."""
+    def lmcache_side() -> list[dict[str, Any]]:
+        return run_lmcache_paths(name, num_chunks, work) + run_lmcache_redis(name, num_chunks)
+
+    def statestore_side() -> list[dict[str, Any]]:
+        rows = run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
+        return rows if only else rows + [run_ssd_tier_alone(name, num_chunks, work)]
+
+    out: list[dict[str, Any]] = []
+    for r in range(rounds):
+        sides = [statestore_side] if only else [lmcache_side, statestore_side]
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            out += [{**row, "round": r} for row in side()]
+    return out
+
+
+NUMERIC = ("put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms", "get_p50_ms", "get_p99_ms", "first_put_ms",
+           "first_get_ms")
+
+
+def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, path): the median of each figure over the rounds (other fields from
+    the first round; `bit_exact` only if every round was)."""
+    by_path: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        by_path.setdefault((row["model"], row["path"]), []).append(row)
+    out = []
+    for runs in by_path.values():
+        merged = {**runs[0], "round": "median", "rounds": len(runs)}
+        for col in NUMERIC:
+            merged[col] = statistics.median(r[col] for r in runs)
+        merged["bit_exact"] = all(r["bit_exact"] for r in runs)
+        out.append(merged)
+    return out
+
+
+def round_ratios(rows: Sequence[dict[str, Any]], model: str, ours: str, theirs: str, op: str) -> list[float]:
+    """ours / theirs GB/s of `op` in each round that measured both."""
+    def by_round(path: str) -> dict[int, float]:
+        return {r["round"]: r[f"{op}_GBps"] for r in rows if r["model"] == model and r["path"] == path}
+
+    a, b = by_round(ours), by_round(theirs)
+    return [a[i] / b[i] for i in sorted(a) if i in b]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 chunks of the conventional model only")
+    parser.add_argument("--quick", action="store_true", help="4 chunks of the conventional model only, one round")
     parser.add_argument("--chunks", type=int, default=0, help="chunks per model (default 16, --quick 4)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds of every path, in alternating order "
+                                                              "(default 2, --quick 1)")
     parser.add_argument("--models", default="", help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--paths", default="", help="comma-separated statestore paths only (development)")
     parser.add_argument("--child-redis", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     num_chunks = args.chunks or (4 if args.quick else 16)
+    rounds = args.rounds or (1 if args.quick else 2)
+    if num_chunks < 1 or rounds < 1:
+        parser.error("--chunks and --rounds must be at least 1")
     if args.child_redis:
         run_lmcache_redis_child(args.child_redis, num_chunks)
         return
     models = [m for m in (args.models or ("conventional" if args.quick else ",".join(MODELS))).split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    only = [p for p in args.paths.split(",") if p]
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-", dir=os.environ.get("BENCH_DIR")))
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     try:
         for name in models:
-            only = [p for p in args.paths.split(",") if p]
-            if not only:
-                rows += run_lmcache_paths(name, num_chunks, work)
-                rows += run_lmcache_redis(name, num_chunks)
-            rows += run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
-            if not only:
-                rows.append(run_ssd_tier_alone(name, num_chunks, work))
+            rows += run_rounds(name, num_chunks, work, rounds, only)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    columns = ["model", "path", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
-               "get_p50_ms", "get_p99_ms", "first_put_ms", "first_get_ms", "durable", "restart_found", "bit_exact", "stored_MiB", "read_from"]
-    print_table(rows, columns)
-    if args.paths:
+    columns = ["model", "path", "round", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
+               "get_p50_ms", "get_p99_ms", "first_put_ms", "first_get_ms", "durable", "restart_found", "bit_exact",
+               "stored_MiB", "read_from"]
+    summary = median_rows(rows)
+    if rounds > 1:
+        print_table(rows, columns)
+        print(f"\nMedian of {rounds} rounds")
+    print_table(summary, columns)
+    if only:
         return  # a development run: no floors, no results file
     floors: dict[str, Floor] = {}
+    ratios: dict[str, list[float]] = {}
     for name in models:
-        by_path = {r["model"] + r["path"]: r for r in rows if r["model"] == name}
         for ours, theirs in (("statestore-ssd", "lmcache-disk-odirect"), ("statestore-redis", "lmcache-redis")):
             for op in ("put", "get"):
-                value = by_path[name + ours][f"{op}_GBps"] / by_path[name + theirs][f"{op}_GBps"]
-                floors[f"{name}_{ours}_{op}_vs_{theirs}"] = Floor(value, 1.0)
+                label = f"{name}_{ours}_{op}_vs_{theirs}"
+                ratios[label] = round_ratios(rows, name, ours, theirs, op)
+                floors[label] = Floor(statistics.median(ratios[label]), 1.0)
+    if rounds > 1:
+        print("\nRatios per round (the floor is their median):")
+        for label, values in ratios.items():
+            print(f"  {label}: " + " ".join(f"{v:.2f}" for v in values))
     print_floors(floors)
     from importlib import metadata
 
-    path = write_results("lmcache_compare", device="cpu", rows=rows, floors=floors, params={
-        "chunks_per_model": num_chunks, "chunk_tokens": CHUNK_TOKENS, "models": {m: MODELS[m] for m in models},
-        "lmcache": metadata.version("lmcache"), "quick": args.quick, "seconds": round(time.monotonic() - started, 1)})
+    path = write_results("lmcache_compare", device="cpu", rows=summary + rows, floors=floors, params={
+        "chunks_per_model": num_chunks, "rounds": rounds, "chunk_tokens": CHUNK_TOKENS,
+        "models": {m: MODELS[m] for m in models}, "lmcache": metadata.version("lmcache"), "quick": args.quick,
+        "ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in ratios.items()},
+        "seconds": round(time.monotonic() - started, 1)})
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")
 
 
