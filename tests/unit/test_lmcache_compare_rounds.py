@@ -1,0 +1,32 @@
+"""bench.lmcache_compare's bookkeeping of rounds: medians per path and ratios per round (the
+measuring itself needs LMCache and runs in `make bench-lmcache`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.lmcache_compare import NUMERIC, median_rows, round_ratios
+
+
+def row(path: str, rnd: int, put: float, get: float, *, exact: bool = True, model: str = "m") -> dict[str, Any]:
+    out: dict[str, Any] = {col: 1.0 for col in NUMERIC}
+    out.update(model=model, path=path, round=rnd, put_GBps=put, get_GBps=get, bit_exact=exact, durable="x")
+    return out
+
+
+def test_median_rows_take_each_figure_over_the_rounds() -> None:
+    rows = [row("a", 0, 1.0, 4.0), row("a", 1, 3.0, 2.0), row("a", 2, 2.0, 9.0, exact=False), row("b", 0, 5.0, 5.0)]
+    by_path = {r["path"]: r for r in median_rows(rows)}
+    assert by_path["a"]["put_GBps"] == 2.0 and by_path["a"]["get_GBps"] == 4.0
+    assert by_path["a"]["rounds"] == 3 and by_path["a"]["round"] == "median"
+    assert by_path["a"]["bit_exact"] is False  # one inexact round makes the path inexact
+    assert by_path["b"]["put_GBps"] == 5.0 and by_path["b"]["bit_exact"] is True
+
+
+def test_round_ratios_pair_the_sides_round_by_round() -> None:
+    rows = [row("ours", 0, 2.0, 1.0), row("theirs", 0, 1.0, 4.0),
+            row("ours", 1, 3.0, 1.0), row("theirs", 1, 6.0, 1.0),
+            row("ours", 2, 9.0, 9.0),  # no counterpart in round 2: not a ratio
+            row("theirs", 0, 100.0, 100.0, model="other")]  # another model's row is not paired
+    assert round_ratios(rows, "m", "ours", "theirs", "put") == [2.0, 0.5]
+    assert round_ratios(rows, "m", "ours", "theirs", "get") == [0.25, 1.0]
