@@ -15,10 +15,12 @@ blocks not found, lead-ins of their runs, decoder tails and the part of them rep
 pay, loads), so what a placement can still win is read off the run, not guessed.
 
 Each request first looks up its key chain (`TieredStore.lookup`, as an inference server
-does), then reads what is stored and puts what it rebuilt; a record's token range is the
-block's real tokens (a prompt's last block may be partial: cheaper to rebuild, same padded
-size). The cost-aware policy learns only from what the store sees this way: no future, no
-trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
+does), then reads what is stored and puts what it rebuilt, and when it finishes tells the
+store how many tokens it generated (`TieredStore.request_done`, the trace's output length); a
+record's token range is the block's real tokens (a prompt's last block may be partial: cheaper
+to rebuild, same padded size). The cost-aware policy learns only from what the store sees this
+way: no future (a request's output length reaches the store after that request, before the
+next), no trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
 is the trace's timestamp, which is what `StateMeta.last_access` and the learned reuse gaps
 see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
 hash id is one full-size record (the last, partial block of a prompt is padded), which is
@@ -66,7 +68,7 @@ from statestore.cost_policy import CostAwarePolicy
 from statestore.keys import hash_block
 from statestore.policy import LRUPolicy, PlacementPolicy, required_tier
 from statestore.profile import CostProfile, EngineProfile, ProfileError, default_profile_path
-from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context, describe_context
+from statestore.reuse import NO_CONTEXT, ReuseConfig, ReuseEstimator, chain_context, describe_context, with_outcome
 from statestore.store import BudgetExceeded, StoreConfig, TieredStore
 from statestore.types import Durability, PlacementDecision, StateMeta, TierCost, TierName, TierProfile
 from tiers.record import HEADER_SIZE, Record, RecordKey, make_record, make_record_key
@@ -185,7 +187,8 @@ def hindsight_odds(requests: Sequence[Request], max_rank: int = ReuseConfig().ma
     """P(read again | reads so far, capped at `max_rank`; chain context) over the WHOLE trace.
 
     The cells are the cost policy's own (`chain_context` of each read, as its `on_lookup`
-    labels it), so a run with these odds shows what the policy's ranking could reach if its
+    labels it, refined by the request's generated tokens as `request_done` refines it), so a
+    run with these odds shows what the policy's ranking could reach if its
     estimator knew every cell's outcome from the start: the ceiling of learning these odds
     online, not of the policy. Cell (n, NO_CONTEXT) is the count-only odds. Laplace-smoothed.
     """
@@ -196,7 +199,8 @@ def hindsight_odds(requests: Sequence[Request], max_rank: int = ReuseConfig().ma
         for i, h in enumerate(req.hash_ids):
             extends = known_root and i > 0 and seen.get(h, 0) == 0
             seen[h] = seen.get(h, 0) + 1
-            events.append((req.t_s, h, min(seen[h], max_rank), chain_context(len(req.hash_ids), i, extends)))
+            context = with_outcome(chain_context(len(req.hash_ids), i, extends), req.output_length)
+            events.append((req.t_s, h, min(seen[h], max_rank), context))
     # An access is reused iff a later access of the same block exists: it is not that block's last.
     last_index = {h: j for j, (_, h, _, _) in enumerate(events)}
     counts: dict[tuple[int, int], list[int]] = {}
@@ -446,6 +450,9 @@ class Simulator:
             # The record covers the block's real tokens (the last one may be partial; its payload is padded).
             end = min(start + BLOCK_TOKENS, max(req.input_length, start + 1))
             await self._put(store, self.record(GLOBAL, keys[i], layout.block_bytes, start, end), res)
+        # The request ends (its decode is not modeled: TTFT is): the inference server tells the
+        # store how many tokens it generated, as it would when the request finishes.
+        store.request_done([make_record_key(GLOBAL, k) for k in keys], req.output_length)
         return load + compute, compute
 
     @staticmethod

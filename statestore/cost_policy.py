@@ -337,6 +337,11 @@ class CostAwarePolicy(PlacementPolicy):
         while len(self._chain) > self.config.reuse.max_keys:
             self._chain.popitem(last=False)
 
+    def on_request_end(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
+        """The request's outcome refines the context of each key's latest access (`ReuseEstimator.refine`)."""
+        for k in keys:
+            self.reuse.refine(k, generated_tokens)
+
     def on_remove(self, meta: StateMeta, tier: TierName) -> None:
         """The removed copy's score moves the tier's shadow price (what a new copy must beat)."""
         cached = self._scores.pop((meta.key, tier), None)

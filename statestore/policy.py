@@ -124,6 +124,10 @@ class PlacementPolicy:
     def on_lookup(self, keys: Sequence[RecordKey]) -> None:
         """A reader looked up this key chain (a request's blocks, in order), before its gets and puts."""
 
+    def on_request_end(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
+        """The reader's request over `keys` finished, having generated `generated_tokens` tokens
+        (after its gets and puts; the store re-scores the keys' copies right after)."""
+
 
 class LRUPolicy(PlacementPolicy):
     """Least recently used: cache every put in host RAM, evict the oldest access first."""
@@ -250,6 +254,9 @@ class _PolicyInvoker:
 
     def on_lookup(self, keys: Sequence[RecordKey]) -> None:
         self._hook("on_lookup", keys)
+
+    def on_request_end(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
+        self._hook("on_request_end", keys, generated_tokens)
 
     def _hook(self, name: str, *args: object) -> None:
         try:

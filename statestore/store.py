@@ -675,6 +675,20 @@ class TieredStore:
         combined = _prefix_len([any(flags[i] for flags in present.values()) for i in range(len(keys))])
         return LookupResult(per_tier, combined)
 
+    def request_done(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
+        """A reader's request over `keys` (as it looked them up) finished, having generated
+        `generated_tokens` tokens: the policy may learn from the outcome (how long a turn's answer
+        was says much about whether the conversation comes back), and the keys' copies are
+        re-scored for eviction at once."""
+        if isinstance(generated_tokens, bool) or not isinstance(generated_tokens, int) or generated_tokens < 0:
+            raise ValueError(f"generated_tokens must be an int >= 0, got {generated_tokens!r}")
+        self._invoker.on_request_end(keys, generated_tokens)
+        costs = self._costs()
+        for key in keys:
+            meta = self._index.get(key)
+            if meta is not None and meta.acked and not meta.pinned and meta.tiers:
+                self._set_meta(meta, costs)
+
     def _has_copy(self, key: RecordKey, name: TierName) -> bool:
         meta = self._index.get(key)
         return meta is not None and meta.acked and name in meta.tiers

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statestore.cost_policy import CostAwarePolicy
-from statestore.reuse import NO_CONTEXT, ReuseEstimator, chain_context, describe_context
+from statestore.reuse import NO_CONTEXT, ReuseEstimator, chain_context, describe_context, outcome_bucket, with_outcome
 from statestore.store import StoreConfig, TieredStore
 from statestore.types import Durability, StateMeta, TierCost, TierName
 from tests.unit.test_cost_policy import ALICE, GLOBAL, HOST, HOST_COST, SIZE, SSD, TIERS, key, make_profile, meta
@@ -247,3 +247,102 @@ async def test_the_store_passes_lookups_to_the_policy_and_inspect_shows_the_cont
         assert (await store.lookup(keys)).combined == 5
         assert await store.get(keys[0]) is not None
         assert policy.reuse.latest(keys[0])[0] == 2
+
+
+# ----- the outcome of the reader's request --------------------------------------------------------------
+
+@given(st.one_of(st.just(NO_CONTEXT), st.integers(1, 300).flatmap(
+    lambda n: st.builds(chain_context, st.just(n), st.integers(0, n - 1), st.booleans()))), st.integers(0, 1 << 40))
+def test_an_outcome_refines_a_context_once_and_is_described(context: int, generated: int) -> None:
+    refined = with_outcome(context, generated)
+    assert refined != context and refined >= 0
+    assert with_outcome(refined, 5) == refined  # a second outcome does not overwrite the first
+    assert with_outcome(context, generated) == refined  # deterministic
+    text = describe_context(refined)
+    assert text.startswith(describe_context(context) + ", the request generated ")
+    low = max(edge for edge in (0, 16, 64, 256, 1024) if edge <= generated)
+    assert f"generated {low}" in text
+
+
+def test_outcome_buckets_grow_by_factors_of_four() -> None:
+    assert [outcome_bucket(n) for n in (0, 15, 16, 63, 64, 255, 256, 1023, 1024, 10**9)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert describe_context(with_outcome(chain_context(40, 38), 70)) == \
+        "chain 32-47, 1 from end, the request generated 64-255 tokens"
+    assert describe_context(with_outcome(NO_CONTEXT, 3000)) == "no chain, the request generated 1024+ tokens"
+    with pytest.raises(ValueError, match="generated_tokens"):
+        outcome_bucket(-1)
+
+
+def test_reuse_odds_are_learned_per_outcome_of_the_request() -> None:
+    """Two kinds of turns read the same chain position; only the turns that generated a few
+    tokens come back. Refined at request end, the odds tell them apart; unrefined they cannot."""
+    est = ReuseEstimator()
+    inner = chain_context(40, 5)
+    for i in range(200):
+        short, long = b"s" + i.to_bytes(4, "big"), b"l" + i.to_bytes(4, "big")
+        est.observe(short, ALICE, float(i), inner)
+        est.observe(long, ALICE, float(i), inner)
+        assert est.refine(short, 8) and est.refine(long, 900)
+        assert not est.refine(short, 900)  # its latest access already has an outcome
+        est.observe(short, ALICE, i + 10.0, inner)  # the short turn's conversation goes on
+    est.observe(b"later", ALICE, 2000.0)  # resolves every open question
+    assert est.p_next(ALICE, 1, inner) == pytest.approx(est.p_next(ALICE, 1), abs=0.05)  # unrefined: no signal
+    assert est.p_next(ALICE, 1, with_outcome(inner, 8)) > 0.95
+    assert est.p_next(ALICE, 1, with_outcome(inner, 900)) < 0.05
+    assert not est.refine(b"never seen", 3)
+
+
+async def test_request_done_moves_the_eviction_order_of_the_store() -> None:
+    """A real store: after the policy learned that long answers end conversations, two equal
+    blocks of the current requests are ranked by their requests' outcomes once `request_done`
+    reports them (it re-scores their copies at once), and not before."""
+    profile = make_profile()
+    policy = CostAwarePolicy(profile)
+    now = [0.0]
+    store = TieredStore(host=HostTier(64 * 4096, {GLOBAL: 4096}), policy=policy,
+                        config=StoreConfig(tier_profiles=profile.tier_profiles()), clock=lambda: now[0])
+
+    def record(tag: bytes, i: int):  # type: ignore[no-untyped-def]
+        return make_record(GLOBAL, 0, tag * 4096, model_fingerprint=b"f" * 16, tenant_id=ALICE,
+                           block_key=tag + i.to_bytes(31, "big"), token_start=0, token_end=16)
+
+    async with store:
+        for i in range(150):  # history: one-block requests; short answers come back, long ones never
+            now[0] = float(i)
+            for tag, generated in ((b"s", 5), (b"l", 700)):
+                r = record(tag, i)
+                await store.lookup([r.key])
+                await store.put(r, Durability.MEMORY)
+                store.request_done([r.key], generated)
+            now[0] = i + 0.5
+            await store.lookup([record(b"s", i).key])
+            assert await store.get(record(b"s", i).key) is not None
+            store.request_done([record(b"s", i).key], 5)
+            for tag in (b"s", b"l"):
+                await store.evict(record(tag, i).key, force=True)
+        now[0] = 1000.0
+        short, long = record(b"a", 0), record(b"b", 0)
+        for r in (short, long):  # equal but for their requests' outcomes; the short one is older
+            await store.lookup([r.key])
+            await store.put(r, Durability.MEMORY)
+        p_short, p_long = (policy.p_reuse(store.meta(r.key), 60.0, 0.0)[0] for r in (short, long))  # type: ignore[arg-type]
+        assert p_short == pytest.approx(p_long)  # no outcome yet: equal
+        store.request_done([short.key], 5)
+        store.request_done([long.key], 700)
+        p_short, p_long = (policy.p_reuse(store.meta(r.key), 60.0, 0.0)[0] for r in (short, long))  # type: ignore[arg-type]
+        assert p_short > 5 * p_long
+        assert "the request generated 256-1023 tokens" in store.explain(long.key)["policy"]["reuse_source"]  # type: ignore[index]
+        # Fill the host until a put evicts: the long answer's block leaves first, though it is the
+        # newer of the two (equal odds would evict the older one first, and so would stale scores).
+        evicted: tuple[tuple[RecordKey, TierName], ...] = ()
+        for i in range(1, 200):
+            filler = record(b"f", i)
+            await store.lookup([filler.key])
+            evicted = (await store.put(filler, Durability.MEMORY)).evicted
+            if evicted:
+                break
+        assert evicted[:1] == ((long.key, HOST),)
+        assert store.meta(short.key) is not None and HOST in store.meta(short.key).tiers  # type: ignore[union-attr]
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(ValueError, match="generated_tokens"):
+                store.request_done([short.key], bad)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from bench.trace import (
+    GLOBAL,
     BREAKDOWN,
     GIB,
     HINDSIGHT,
@@ -22,8 +23,8 @@ from bench.trace import (
     unique_block_bytes,
 )
 from statestore.profile import CostProfile
-from statestore.reuse import NO_CONTEXT, ReuseConfig, chain_context
-from tiers.record import HEADER_SIZE, make_record
+from statestore.reuse import NO_CONTEXT, ReuseConfig, chain_context, describe_context, with_outcome
+from tiers.record import HEADER_SIZE, make_record, make_record_key
 from tiers.virtual import AccountingHostTier, VirtualTier
 
 
@@ -107,20 +108,27 @@ def test_the_ttft_breakdown_adds_up_and_books_each_part_where_it_belongs() -> No
 
 
 def test_hindsight_odds_count_each_read_that_is_not_its_blocks_last_in_the_policys_cells() -> None:
-    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(10.0, 1500, 1, (1, 2, 4)), Request(20.0, 500, 1, (5,))]
+    reqs = [Request(0.0, 1500, 1, (1, 2, 3)), Request(10.0, 1500, 1, (1, 2, 4)), Request(20.0, 500, 1, (5,)),
+            Request(30.0, 500, 400, (6,))]
     odds = hindsight_odds(reqs)
+
+    def cell(length: int, position: int, extends: bool = False, generated: int = 1) -> int:
+        return with_outcome(chain_context(length, position, extends), generated)
+
     # Request 0's blocks 1 and 2 are read again (request 1), its tail 3 is not; request 1 reads
-    # 1, 2 a second time (their last reads) and appends 4 after a known prefix; 5 is a one-off.
-    assert odds[1, chain_context(3, 0)] == pytest.approx(1.5 / 2)
-    assert odds[1, chain_context(3, 2)] == pytest.approx(0.5 / 3)  # the last of a 1-15 chain: 3's and 5's reads
+    # 1, 2 a second time (their last reads) and appends 4 after a known prefix; 5 and 6 are
+    # one-offs, 6 of a request that generated 400 tokens (another cell: the outcome refines it).
+    assert odds[1, cell(3, 0)] == pytest.approx(1.5 / 2)
+    assert odds[1, cell(3, 2)] == pytest.approx(0.5 / 3)  # the last of a 1-15 chain: 3's and 5's reads
     assert chain_context(3, 2) == chain_context(1, 0)
-    assert odds[1, chain_context(3, 2, True)] == pytest.approx(0.5 / 2)
-    assert odds[2, chain_context(3, 0)] == pytest.approx(0.5 / 2)
-    assert odds[1, NO_CONTEXT] == pytest.approx(2.5 / 6)  # 2 of the 5 first reads came back
+    assert odds[1, cell(1, 0, generated=400)] == pytest.approx(0.5 / 2)
+    assert odds[1, cell(3, 2, True)] == pytest.approx(0.5 / 2)
+    assert odds[2, cell(3, 0)] == pytest.approx(0.5 / 2)
+    assert odds[1, NO_CONTEXT] == pytest.approx(2.5 / 7)  # 2 of the 6 first reads came back
     assert odds[2, NO_CONTEXT] == pytest.approx(0.5 / 3)
     est = HindsightReuse(ReuseConfig(), odds)
-    assert est.p_next(b"t" * 16, 1, chain_context(3, 0)) == pytest.approx(0.75)
-    assert est.p_next(b"t" * 16, 1, chain_context(200, 5)) == pytest.approx(2.5 / 6)  # unseen cell: count-only
+    assert est.p_next(b"t" * 16, 1, cell(3, 0)) == pytest.approx(0.75)
+    assert est.p_next(b"t" * 16, 1, cell(200, 5)) == pytest.approx(2.5 / 7)  # unseen cell: count-only
     assert est.p_next(b"t" * 16, 9) == ReuseConfig().prior_p_next  # no 4th reads at all: the prior
 
 
@@ -129,3 +137,17 @@ def test_the_hindsight_run_is_the_cost_policy_with_those_odds() -> None:
     r = asyncio.run(Simulator(reqs, CostProfile.v41_h200()).run(HINDSIGHT, 1.0, 0.0))
     assert isinstance(r.policy_obj.reuse, HindsightReuse) and r.policy_obj.name == "cost"  # type: ignore[union-attr]
     assert sum(r.hits.values()) == 5 and r.blocks == 9
+
+
+def test_each_request_reports_its_generated_tokens_to_the_cost_policy() -> None:
+    """The simulator tells the store when a request ends (`request_done`): the cost policy's
+    learned context of each block's latest read carries that request's output length."""
+    reqs = [Request(0.0, 1500, 3, (1, 2, 3)), Request(1.0, 1100, 700, (1, 2, 4))]
+    sim = Simulator(reqs, CostProfile.v41_h200())
+    r = asyncio.run(sim.run("cost", 1.0, 0.0))
+    reuse = r.policy_obj.reuse  # type: ignore[union-attr]
+    latest = {h: reuse.latest(make_record_key(GLOBAL, sim.block_key(req, i)))[2]
+              for req in reqs for i, h in enumerate(req.hash_ids)}
+    assert describe_context(latest[3]).endswith("the request generated 0-15 tokens")
+    for h in (1, 2, 4):  # read last by the second request
+        assert describe_context(latest[h]).endswith("the request generated 256-1023 tokens")
