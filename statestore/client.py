@@ -314,6 +314,16 @@ class StateStoreClient:
                           _replay(reply.replay) if reply.HasField("replay") else None,
                           reply.est_load_seconds, reply.est_seconds)
 
+    async def request_done(self, block_keys: Sequence[bytes], generated_tokens: int, *,
+                           kinds: Sequence[int] = ()) -> int:
+        """Report that a request over this chain (as `lookup` named it) finished, having generated
+        `generated_tokens` tokens; returns how many of its records the server holds. Call it when
+        a request completes: the cost-aware policy keeps the blocks of turns likely to be
+        continued (short answers, tool calls) over those of conversations that ended."""
+        reply = await self._call(self._store.RequestDone, statestore_pb2.RequestDoneRequest(
+            block_keys=list(block_keys), kinds=list(kinds), generated_tokens=generated_tokens))
+        return reply.known_records
+
     async def _chunks(self, records: Sequence[Record], durability: Durability, pin: bool) -> AsyncIterator[Any]:
         # A frame carries up to `chunk_bytes` of payload plus, in the first, the record header:
         # keep it under the message limit whatever the options say.

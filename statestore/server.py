@@ -113,10 +113,9 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         return statestore_pb2.RegisterModelResponse(model_fingerprint=fingerprint,
                                                     hosted=fingerprint == self._owner.adapter.model_fingerprint)
 
-    @unary
-    async def Lookup(self, request: Any, context: Any, tenant: str) -> Any:
-        owner = self._owner
-        block_size = request.block_size or owner.config.block_size
+    @staticmethod
+    def _chain_keys(request: Any) -> tuple[list[bytes], list[int]]:
+        """The record keys of a request's `block_keys` x `kinds` (Lookup, RequestDone), checked."""
         if len(request.block_keys) > MAX_KEYS:
             raise BadField(f"block_keys: {len(request.block_keys)} keys, at most {MAX_KEYS}")
         for i, k in enumerate(request.block_keys):
@@ -126,6 +125,13 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         for i, kind in enumerate(kinds):
             if kind not in {int(k) for k in StateKind}:
                 raise BadField(f"kinds[{i}]: unknown kind {kind}")
+        return [make_record_key(kind, bk) for bk in request.block_keys for kind in kinds], kinds
+
+    @unary
+    async def Lookup(self, request: Any, context: Any, tenant: str) -> Any:
+        owner = self._owner
+        block_size = request.block_size or owner.config.block_size
+        keys, kinds = self._chain_keys(request)
         chain_tokens = len(request.block_keys) * block_size
         num_tokens = request.num_tokens or chain_tokens
         if num_tokens < chain_tokens or num_tokens > 1 << 40:
@@ -134,7 +140,6 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             raise BadField(f"mode: {request.mode!r} is not one of {', '.join(ss.REPLAY_MODES)}")
         if request.model_fingerprint and len(request.model_fingerprint) != 16:
             raise BadField(f"model_fingerprint: 16 bytes, got {len(request.model_fingerprint)}")
-        keys = [make_record_key(kind, bk) for bk in request.block_keys for kind in kinds]
         result = await self._store.lookup(keys)
         tid = tenant_id(tenant)
 
@@ -382,6 +387,15 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         for key in keys:
             (self._store.pin if pinned else self._store.unpin)(key)
         return statestore_pb2.KeysResponse(changed=changed)
+
+    @unary
+    async def RequestDone(self, request: Any, context: Any, tenant: str) -> Any:
+        keys, _ = self._chain_keys(request)
+        if request.generated_tokens > 1 << 40:
+            raise BadField(f"generated_tokens: {request.generated_tokens} > 2^40")
+        mine = [k for k in keys if self._owned(k, tenant) is not None]  # another tenant's key: nothing, silently
+        self._store.request_done(mine, request.generated_tokens)
+        return statestore_pb2.RequestDoneResponse(known_records=len(mine))
 
     @unary
     async def Pin(self, request: Any, context: Any, tenant: str) -> Any:

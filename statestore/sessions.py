@@ -227,6 +227,7 @@ class _Live:
     persisted_blocks: int = 0  # block records known durable at the checkpoint level
     version: int = 0
     boundaries: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens generated since the last checkpoint: the turn's outcome it reports
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -340,7 +341,9 @@ class SessionManager:
         async with live.lock:
             if self.adapter.num_tokens(live.state) == 0:
                 raise ValueError(f"session {session_id!r} is empty: append a prompt before generating")
-            return await self._run(self.adapter.generate, live.state, num_tokens, temperature, seed)
+            tokens = await self._run(self.adapter.generate, live.state, num_tokens, temperature, seed)
+            live.generated += len(tokens)
+            return tokens
 
     async def drop(self, tenant: str, session_id: str) -> bool:
         """Forget the in-memory state (what a checkpoint saved stays)."""
@@ -434,6 +437,9 @@ class SessionManager:
             live.version = version
             if previous is not None:
                 await self._delete_objects(tenant, session_id, previous)
+            if live.generated:  # a turn ended: how long its answer was says whether the agent comes back
+                self.store.request_done(self._block_record_keys(manifest), live.generated)
+                live.generated = 0
             return CheckpointReport(version, num_tokens, new_blocks, shared, written, time.perf_counter() - start)
 
     def _export_checkpoint(self, state: object, tail_start: int, tail_end: int) -> dict[str, Any]:

@@ -310,6 +310,10 @@ BAD_CALLS = {
     "lookup short context": (lambda c, s: c.lookup([block_key(1)] * 2, num_tokens=3), "num_tokens: 3 must lie"),
     "lookup bad mode": (lambda c, s: c.lookup([block_key(1)], mode="fast"), "mode: 'fast' is not one of"),
     "list huge limit": (lambda c, s: c.list_records(limit=1 << 30), "limit: 1073741824 > 100000"),
+    "request done short block key": (lambda c, s: c.request_done([block_key(1), b"abc"], 5),
+                                     "block_keys[1]: a block key is 32 bytes"),
+    "request done unknown kind": (lambda c, s: c.request_done([block_key(1)], 5, kinds=[9]), "kinds[0]: unknown kind 9"),
+    "request done huge count": (lambda c, s: c.request_done([block_key(1)], 1 << 41), "generated_tokens: 2199023255552 > 2^40"),
     "inspect short key": (lambda c, s: c.inspect(b""), "key: a record key is 34 bytes", "got 0"),
     "register no specs": (lambda c, s: c.register_model(model_name="m", weights_id="w", config_json="{}",
                                                         layout_version=1, specs=[]), "specs: describe at least one"),
@@ -366,6 +370,8 @@ async def test_tenants_cannot_see_each_others_records(alice: StateStoreClient, b
     assert await bob.get_records([a.key]) == [None]
     assert (await bob.lookup([block_key(1)], kinds=[1])).combined_blocks == 0
     assert (await alice.lookup([block_key(1)], kinds=[1])).combined_blocks == 1
+    assert await bob.request_done([block_key(1)], 5, kinds=[1]) == 0  # neither counted nor learned from
+    assert await alice.request_done([block_key(1), block_key(2)], 5, kinds=[1]) == 1
     assert await snapshot(bob) == []
     await assert_rejected(bob.inspect(a.key), grpc.StatusCode.NOT_FOUND)
     await assert_rejected(bob.pin([a.key]), grpc.StatusCode.NOT_FOUND)

@@ -130,8 +130,14 @@ async def test_cost_policy_runs_in_the_service_from_a_calibration_profile(tmp_pa
         async with StateStoreClient(f"127.0.0.1:{srv.port}") as client:
             record = make_record(1, 1, b"x" * 4096, model_fingerprint=srv.adapter.model_fingerprint,
                                  tenant_id=bytes(16), block_key=bytes(range(32)), token_end=256)
+            await client.lookup([record.header.block_key], kinds=[1])
             await client.put_records([record])
             explained = (await client.inspect(record.key)).explain
+            # The request is over: its output length refines what the policy learns of the block.
+            assert await client.request_done([record.header.block_key], 7, kinds=[1]) == 1
+            refined = (await client.inspect(record.key)).explain
+    assert refined is not None and "the request generated 0-15 tokens" in refined["policy"]["reuse_source"]
+    assert explained is not None and "generated" not in explained["policy"]["reuse_source"]
     assert explained is not None and explained["policy"]["policy"] == "cost"
     assert explained["policy"]["retention"] == "MUST_KEEP" and explained["policy"]["rebuild_s"] > 0
     assert "rebuild" in explained["policy"]["summary"] and "P(reuse" in explained["policy"]["summary"]

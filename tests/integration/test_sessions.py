@@ -650,3 +650,39 @@ async def test_bad_tokens_modes_and_empty_sessions_are_refused(open_node: OpenNo
         SessionManager(node.store, node.adapter, SessionConfig(secret=SECRET, block_size=16, default_mode="x"))
     assert (await node.sessions.get(TENANT, "s")).checkpointed_tokens == 3
     assert os.listdir(tmp_path)  # the valid checkpoint is there, nothing else changed
+
+
+async def test_a_checkpoint_after_generating_reports_the_turns_outcome_to_the_policy() -> None:
+    """Checkpoint ends a turn: the tokens generated since the last one reach the store
+    (`request_done`), so the cost-aware policy learns per outcome; a checkpoint with nothing
+    generated since reports nothing."""
+    from statestore.cost_policy import CostAwarePolicy
+    from statestore.profile import CostProfile
+    from statestore.reuse import describe_context
+
+    policy = CostAwarePolicy(CostProfile.v41_h200())
+    store = TieredStore(host=HostTier(64 << 20), policy=policy)
+    await store.open()
+    adapter = CEDAdapter(CEDEngine(mini(), seed=1))
+    sessions = SessionManager(store, adapter, SessionConfig(secret=SECRET, block_size=BLOCK))
+    hasher = make_block_hasher(BLOCK, adapter.model_fingerprint, derive_tenant_salt(SECRET, TENANT))
+
+    def contexts(tokens: list[int]) -> list[str]:
+        return [describe_context(policy.reuse.latest(make_record_key(int(StateKind.GLOBAL_KV), k))[2])
+                for k in hasher(tokens)]
+
+    try:
+        tokens = list(range(1, 3 * BLOCK + 1))
+        await sessions.create(TENANT, "s")
+        await sessions.append(TENANT, "s", tokens)
+        await sessions.checkpoint(TENANT, "s", Durability.MEMORY)  # nothing generated yet: no outcome
+        assert len(contexts(tokens)) == 3 and not any("generated" in c for c in contexts(tokens))
+        tokens += await sessions.generate(TENANT, "s", 5)
+        tokens += list(range(1, BLOCK + 1))
+        await sessions.append(TENANT, "s", tokens[-BLOCK:])
+        await sessions.checkpoint(TENANT, "s", Durability.MEMORY)
+        assert len(contexts(tokens)) == 4
+        assert all(c.endswith("the request generated 0-15 tokens") for c in contexts(tokens))
+    finally:
+        await sessions.aclose()
+        await store.aclose()

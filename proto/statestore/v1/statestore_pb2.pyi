@@ -113,6 +113,22 @@ class GetRecordsRequest(_message.Message):
     chunk_bytes: int
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class RequestDoneRequest(_message.Message):
+    __slots__ = ("block_keys", "kinds", "generated_tokens")
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    kinds: _containers.RepeatedScalarFieldContainer[int]
+    generated_tokens: int
+    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., kinds: _Optional[_Iterable[int]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestDoneResponse(_message.Message):
+    __slots__ = ("known_records",)
+    KNOWN_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    known_records: int
+    def __init__(self, known_records: _Optional[int] = ...) -> None: ...
+
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

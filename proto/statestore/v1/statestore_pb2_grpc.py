@@ -85,6 +85,11 @@ class StateStoreStub(object):
                 request_serializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.InspectRequest.SerializeToString,
                 response_deserializer=proto_dot_statestore_dot_v1_dot_common__pb2.RecordInfo.FromString,
                 _registered_method=True)
+        self.RequestDone = channel.unary_unary(
+                '/statestore.v1.StateStore/RequestDone',
+                request_serializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneRequest.SerializeToString,
+                response_deserializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneResponse.FromString,
+                _registered_method=True)
 
 
 class StateStoreServicer(object):
@@ -160,6 +165,15 @@ class StateStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestDone(self, request, context):
+        """A request over a looked-up chain finished: how many tokens it generated. The cost-aware
+        policy learns from it how likely the chain's blocks are to be read again (a short answer,
+        such as a tool call, is usually followed by another turn; a long one usually ends it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StateStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +226,11 @@ def add_StateStoreServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.InspectRequest.FromString,
                     response_serializer=proto_dot_statestore_dot_v1_dot_common__pb2.RecordInfo.SerializeToString,
+            ),
+            'RequestDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestDone,
+                    request_deserializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneRequest.FromString,
+                    response_serializer=proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +503,33 @@ class StateStore(object):
             '/statestore.v1.StateStore/Inspect',
             proto_dot_statestore_dot_v1_dot_statestore__pb2.InspectRequest.SerializeToString,
             proto_dot_statestore_dot_v1_dot_common__pb2.RecordInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/statestore.v1.StateStore/RequestDone',
+            proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneRequest.SerializeToString,
+            proto_dot_statestore_dot_v1_dot_statestore__pb2.RequestDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,
