@@ -15,12 +15,13 @@ blocks not found, lead-ins of their runs, decoder tails and the part of them rep
 pay, loads), so what a placement can still win is read off the run, not guessed.
 
 Each request first looks up its key chain (`TieredStore.lookup`, as an inference server
-does), then reads what is stored and puts what it rebuilt, and when it finishes tells the
-store how many tokens it generated (`TieredStore.request_done`, the trace's output length); a
-record's token range is the block's real tokens (a prompt's last block may be partial: cheaper
-to rebuild, same padded size). The cost-aware policy learns only from what the store sees this
-way: no future (a request's output length reaches the store after that request, before the
-next), no trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
+does), then reads what is stored and puts what it rebuilt, and when it finishes (its TTFT plus
+its output length at the engine's modeled decode speed after it arrived) tells the store how
+many tokens it generated (`TieredStore.request_done`); a record's token range is the block's
+real tokens (a prompt's last block may be partial: cheaper to rebuild, same padded size). The
+cost-aware policy learns only from what the store sees this way: no future (a request's output
+length reaches the store only at its modeled end, applied before the first request that
+arrives after it), no trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
 is the trace's timestamp, which is what `StateMeta.last_access` and the learned reuse gaps
 see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
 hash id is one full-size record (the last, partial block of a prompt is padded), which is
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import math
 import statistics
@@ -393,13 +395,24 @@ class Simulator:
         res = RunResult(name, host_gib, ssd_gib, policy_obj=policy)
         booked = Breakdown(res.seconds)
         t0 = time.perf_counter()
-        for req in self.requests:
+        finishing: list[tuple[float, int, list[RecordKey], int]] = []  # (done at, seq, keys, generated tokens)
+        for seq, req in enumerate(self.requests):
             now[0] = req.t_s
+            while finishing and finishing[0][0] <= req.t_s:  # requests that finished before this one arrived
+                _, _, keys, generated = heapq.heappop(finishing)
+                store.request_done(keys, generated)
             full = self.full_prefill_s(req)
             res.full_prefill_s += full
             ttft, compute = await self._request(store, layout, req, res, booked)
             res.ttft_s.append(ttft)
             res.compute_s += compute
+            # It finishes after its TTFT and its decode; only then does the store learn its output length.
+            done_at = req.t_s + ttft + req.output_length * self.engine.decode_s(req.input_length)
+            keys = [make_record_key(GLOBAL, self.block_key(req, i)) for i in range(len(req.hash_ids))]
+            heapq.heappush(finishing, (done_at, seq, keys, req.output_length))
+        while finishing:  # the last requests finish after the trace: nothing is priced after them
+            _, _, keys, generated = heapq.heappop(finishing)
+            store.request_done(keys, generated)
         res.wall_s = time.perf_counter() - t0
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
         res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
@@ -450,9 +463,6 @@ class Simulator:
             # The record covers the block's real tokens (the last one may be partial; its payload is padded).
             end = min(start + BLOCK_TOKENS, max(req.input_length, start + 1))
             await self._put(store, self.record(GLOBAL, keys[i], layout.block_bytes, start, end), res)
-        # The request ends (its decode is not modeled: TTFT is): the inference server tells the
-        # store how many tokens it generated, as it would when the request finishes.
-        store.request_done([make_record_key(GLOBAL, k) for k in keys], req.output_length)
         return load + compute, compute
 
     @staticmethod
@@ -504,18 +514,23 @@ def reuse_reason(cost: RunResult, lru: RunResult) -> str:
     pol = cost.policy_obj
     if isinstance(pol, CostAwarePolicy):
         table = pol.reuse.context_table(TENANT)
-        def p_of(n: int, length: int, position: int) -> str:
-            cell = table.get((n, chain_context(length, position)))
-            return f"{describe_context(chain_context(length, position))} {cell[0] if cell else math.nan:.2f}"
+
+        def p_of(n: int, length: int, position: int, generated: int) -> str:
+            context = with_outcome(chain_context(length, position), generated)
+            cell = table.get((n, context))
+            return f"{describe_context(context)} {cell[0] if cell else math.nan:.2f}"
+
         lines.append(
             "why: it keeps the copies worth most per byte, P(reuse) x (rebuild - load) / bytes, with P(reuse) learned "
             "online from what the store saw: P(next read | reads so far, where the block sat in the reader's looked-up "
-            f"chain). Learned, read once: {p_of(1, 72, 5)}, {p_of(1, 56, 5)}, {p_of(1, 40, 5)}, {p_of(1, 20, 5)}, "
-            f"{p_of(1, 40, 39)}, {p_of(1, 72, 71)}; read twice: {p_of(2, 40, 5)}; "
+            "chain, how many tokens the reader's request generated). Learned, read once: "
+            f"{p_of(1, 72, 5, 8)}; {p_of(1, 72, 5, 300)}; {p_of(1, 40, 5, 8)}; {p_of(1, 40, 5, 300)}; "
+            f"{p_of(1, 40, 39, 8)}; read twice: {p_of(2, 40, 5, 8)}; {p_of(2, 40, 5, 300)}; "
             f"overall P(next | 1 read) {pol.reuse.p_next(TENANT, 1):.2f}, | 2 reads {pol.reuse.p_next(TENANT, 2):.2f}. "
-            "So a chain's tail and blocks of short one-off chains leave first, shared documents stay; LRU evicts by "
-            "age alone. Rebuild cost enters the same ratio (block 0 has no lead-in; a partial last block covers fewer "
-            "tokens): equally likely blocks that are cheaper to rebuild leave first")
+            "So a chain's tail, blocks of short one-off chains and chains whose turn ended in a long answer leave "
+            "first, shared documents and conversations still going stay; LRU evicts by age alone. Rebuild cost enters "
+            "the same ratio (block 0 has no lead-in; a partial last block covers fewer tokens): equally likely blocks "
+            "that are cheaper to rebuild leave first")
     return "\n  ".join(lines)
 
 
@@ -616,7 +631,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(describe_ceiling(ceiling))
     for note in notes:
         print(note)
-    print_floors(floors)
+    quick_figures = {}
+    if args.quick or args.requests:  # the floors are the full trace's: a subset's figures are not judged
+        quick_figures = {name: f.value for name, f in floors.items()}
+        print("figures of a subset of the trace (the floors apply to the full trace: run without --quick):")
+        for name, value in quick_figures.items():
+            print(f"  {name}: {value:.4g}")
+        floors = {}
+    else:
+        print_floors(floors)
     # A --quick run (a subset) never overwrites the full run's results and plot.
     png = RESULTS_DIR / ("trace_ttft_quick.png" if args.quick else "trace_ttft.png")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -627,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "engine": profile.to_dict()["engine"],
               "tiers": {t.value: {"latency_s": tp.latency_s, "bandwidth_bytes_per_s": tp.bandwidth_bytes_per_s}
                         for t, tp in profile.tier_profiles().items()},
-              "notes": notes, "hindsight_ceiling": ceiling}
+              "notes": notes, "hindsight_ceiling": ceiling, "subset_figures": quick_figures}
     path = write_results("trace_quick" if args.quick else "trace", device="cpu", params=params, rows=rows,
                          floors=floors)
     print(f"wrote {path} and {png}")
@@ -689,7 +712,7 @@ def hindsight_ceiling(sim: Simulator, results: Sequence[RunResult], host_budgets
 def describe_ceiling(ceiling: Sequence[dict[str, Any]]) -> str:
     gains = ", ".join(f"{c['host_gib']:g} GiB {c['gain_vs_lru_ours']:+.1%} (online {c['online_gain_vs_lru_ours']:+.1%})"
                       for c in ceiling)
-    return ("ceiling (diagnostic, future knowledge): the cost policy with each (reads, chain context) cell's reuse "
+    return ("ceiling (diagnostic, future knowledge): the cost policy with each (reads, chain context, outcome) cell's reuse "
             f"odds taken from the whole trace, host only, gain over LRU-ours: {gains}")
 
 

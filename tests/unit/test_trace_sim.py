@@ -140,9 +140,10 @@ def test_the_hindsight_run_is_the_cost_policy_with_those_odds() -> None:
 
 
 def test_each_request_reports_its_generated_tokens_to_the_cost_policy() -> None:
-    """The simulator tells the store when a request ends (`request_done`): the cost policy's
-    learned context of each block's latest read carries that request's output length."""
-    reqs = [Request(0.0, 1500, 3, (1, 2, 3)), Request(1.0, 1100, 700, (1, 2, 4))]
+    """The simulator tells the store when a request ends (`request_done`, at its modeled end:
+    TTFT plus decode): the cost policy's learned context of each block's latest read carries
+    that request's output length."""
+    reqs = [Request(0.0, 1500, 3, (1, 2, 3)), Request(100.0, 1100, 700, (1, 2, 4))]
     sim = Simulator(reqs, CostProfile.v41_h200())
     r = asyncio.run(sim.run("cost", 1.0, 0.0))
     reuse = r.policy_obj.reuse  # type: ignore[union-attr]
