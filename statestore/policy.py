@@ -255,6 +255,11 @@ class _PolicyInvoker:
     def on_lookup(self, keys: Sequence[RecordKey]) -> None:
         self._hook("on_lookup", keys)
 
+    @property
+    def learns_outcomes(self) -> bool:
+        """Whether the policy overrides `on_request_end` (else reporting outcomes to it is a no-op)."""
+        return type(self.policy).on_request_end is not PlacementPolicy.on_request_end
+
     def on_request_end(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
         self._hook("on_request_end", keys, generated_tokens)
 

@@ -682,6 +682,8 @@ class TieredStore:
         re-scored for eviction at once."""
         if isinstance(generated_tokens, bool) or not isinstance(generated_tokens, int) or generated_tokens < 0:
             raise ValueError(f"generated_tokens must be an int >= 0, got {generated_tokens!r}")
+        if not self._invoker.learns_outcomes:  # LRU: nothing to learn, nothing to re-score
+            return
         self._invoker.on_request_end(keys, generated_tokens)
         costs = self._costs()
         for key in keys:

@@ -346,3 +346,27 @@ async def test_request_done_moves_the_eviction_order_of_the_store() -> None:
         for bad in (-1, 1.5, True, "3"):
             with pytest.raises(ValueError, match="generated_tokens"):
                 store.request_done([short.key], bad)  # type: ignore[arg-type]
+
+
+async def test_request_done_reaches_a_policy_that_learns_and_is_accepted_by_lru() -> None:
+    """A policy overriding `on_request_end` hears every report (the store skips the hook and
+    the re-scoring for policies that do not: LRU)."""
+    from statestore.policy import LRUPolicy
+
+    class Listening(LRUPolicy):
+        def __init__(self) -> None:
+            self.heard: list[tuple[int, int]] = []
+
+        def on_request_end(self, keys, generated_tokens):  # type: ignore[no-untyped-def]
+            self.heard.append((len(keys), generated_tokens))
+
+    listening = Listening()
+    for policy in (LRUPolicy(), listening):
+        store = TieredStore(host=HostTier(1 << 20, {GLOBAL: 4096}), policy=policy)
+        async with store:
+            r = make_record(GLOBAL, 0, b"x" * 4096, model_fingerprint=b"f" * 16, tenant_id=ALICE,
+                            block_key=b"k" * 32, token_end=16)
+            await store.put(r, Durability.MEMORY)
+            store.request_done([r.key, r.key], 9)
+            assert (await store.get(r.key)) is not None
+    assert listening.heard == [(2, 9)]
