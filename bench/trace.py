@@ -21,9 +21,9 @@ many tokens it generated (`TieredStore.request_done`); a record's token range is
 real tokens (a prompt's last block may be partial: cheaper to rebuild, same padded size). The
 cost-aware policy learns only from what the store sees this way: no future (a request's output
 length reaches the store only at its modeled end, applied before the first request that
-arrives after it), no trace-specific rule. Requests run one at a time in arrival order (no queueing, no batching); the modeled clock
-is the trace's timestamp, which is what `StateMeta.last_access` and the learned reuse gaps
-see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
+arrives after it), no trace-specific rule. Requests run one at a time in arrival order (no
+queueing, no batching); the modeled clock is the trace's timestamp, which is what
+`StateMeta.last_access` and the learned reuse gaps see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
 hash id is one full-size record (the last, partial block of a prompt is padded), which is
 the accounting under which the trace's unique blocks take 18.6 GiB at 890 B/token.
 
@@ -190,9 +190,9 @@ def hindsight_odds(requests: Sequence[Request], max_rank: int = ReuseConfig().ma
 
     The cells are the cost policy's own (`chain_context` of each read, as its `on_lookup`
     labels it, refined by the request's generated tokens as `request_done` refines it), so a
-    run with these odds shows what the policy's ranking could reach if its
-    estimator knew every cell's outcome from the start: the ceiling of learning these odds
-    online, not of the policy. Cell (n, NO_CONTEXT) is the count-only odds. Laplace-smoothed.
+    run with these odds shows what the policy's ranking could reach if its estimator knew
+    every cell's outcome from the start: the ceiling of learning these odds online, not of
+    the policy. Cell (n, NO_CONTEXT) is the count-only odds. Laplace-smoothed.
     """
     seen: dict[int, int] = {}
     events: list[tuple[float, int, int, int]] = []  # (time, hash id, rank, context)
