@@ -23,9 +23,10 @@ cost-aware policy learns only from what the store sees this way: no future (a re
 length reaches the store only at its modeled end, applied before the first request that
 arrives after it), no trace-specific rule. Requests run one at a time in arrival order (no
 queueing, no batching); the modeled clock is the trace's timestamp, which is what
-`StateMeta.last_access` and the learned reuse gaps see. Token ids of a block are derived from its hash id; blocks are 512 tokens and every
-hash id is one full-size record (the last, partial block of a prompt is padded), which is
-the accounting under which the trace's unique blocks take 18.6 GiB at 890 B/token.
+`StateMeta.last_access` and the learned reuse gaps see. Token ids of a block are derived from
+its hash id; blocks are 512 tokens and every hash id is one full-size record (the last,
+partial block of a prompt is padded), which is the accounting under which the trace's unique
+blocks take 18.6 GiB at 890 B/token.
 
 Policies, all at the same host (and SSD) budget:
 
