@@ -78,18 +78,16 @@ PER_EXPIRY_OVERHEAD_BYTES = 32
 # and one copy: ~1 ms at 8 MiB) costs less than the thread hop, as redis-py's own parsing of
 # the reply does on the loop; above it the loop is kept free.
 OFFLOAD_BYTES = 8 << 20
-# SET commands are written in groups of about this many bytes, each drained before the next
-# (`_write_groups`). One write of a large value left most of it in asyncio's transport buffer,
-# which is trimmed from the front after every partial send (a memmove of the rest each time):
-# on the development VM (Python 3.11, loopback Redis 7) a 32 MiB SET on a bare asyncio stream
-# took 70 ms written whole and 26 ms in 1 MiB groups (17 MiB: 38 -> 14 ms); the tier's puts
+# A SET batch larger than SEND_WHOLE_MAX_BYTES is written in groups of SEND_GROUP_BYTES, each
+# drained before the next (`_write_groups`). One write of a large value left most of it in
+# asyncio's transport buffer, trimmed from the front after every partial send (a memmove of the
+# rest each time): on the development VM (Python 3.11, loopback Redis 7) a 32 MiB SET on a bare
+# asyncio stream took 70 ms written whole and 26 ms in 1 MiB groups, and the tier's puts
 # (`bench.tiers --sizes 16M,32M`, two alternations) went 0.87-0.90 -> 1.35-1.47 GB/s at 32 MiB
-# and 0.96-1.03 -> 1.19-1.40 at 16 MiB, against raw redis-py SETs at 0.89-0.98 and 0.83-1.22;
-# up to 4 MiB no difference showed.
+# and 0.96-1.03 -> 1.19-1.40 at 16 MiB (raw redis-py SETs: 0.83-1.22). Smaller batches are
+# written at once: each group is a call with its own timeout task and drain, and 1 MiB groups
+# cost a 4 MiB put up to a quarter (0.97 -> 0.70-0.72 of raw SET in two full runs).
 SEND_GROUP_BYTES = 1 << 20
-# Batches up to this many bytes are still written at once: each group is a call with its own
-# timeout task and drain, and up to 4 MiB no gain showed while 1 MiB groups cost a 4 MiB put
-# up to a quarter (0.97 -> 0.70-0.72 of raw SET in two full runs).
 SEND_WHOLE_MAX_BYTES = 8 << 20
 NAME_CACHE_ENTRIES = 1 << 16  # Redis key names kept per tier (`redis_key`): ~10 MB at most
 SCAN_BATCH = 512
@@ -383,8 +381,9 @@ class RedisTier(Tier):
         Standalone: every command packed here (RESP) and written on one pooled connection, at
         once or, for a batch over `SEND_WHOLE_MAX_BYTES`, in groups of about `SEND_GROUP_BYTES`
         (the header and the payload as separate buffers, a large payload sliced, no copy made
-        here), then one reply read per command. A failure anywhere disconnects the connection (replies may be left unread)
-        and propagates to `_attempt`. Cluster: a pipeline of SETs of the concatenated value.
+        here), then one reply read per command. A failure anywhere disconnects the connection
+        (replies may be left unread) and propagates to `_attempt`. Cluster: a pipeline of SETs
+        of the concatenated value.
         """
         if self._cluster:
             pipe = self._client.pipeline(transaction=False)
