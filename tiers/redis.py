@@ -89,6 +89,14 @@ OFFLOAD_BYTES = 8 << 20
 # cost a 4 MiB put up to a quarter (0.97 -> 0.70-0.72 of raw SET in two full runs).
 SEND_GROUP_BYTES = 1 << 20
 SEND_WHOLE_MAX_BYTES = 8 << 20
+# A GET of a value the tier knows to be at least RANGED_GET_MIN_BYTES long (standalone Redis)
+# reads it as GETRANGE pieces of RANGE_BYTES in one MULTI/EXEC (`_get_ranged`): redis-py reads
+# a bulk reply into an asyncio StreamReader buffer that grows by reallocation, copying what it
+# holds each time, while pieces keep that buffer small. A 32 MiB value on the development VM:
+# 81.7 -> 48.6 ms with glibc's default thresholds, 46.2 -> 26.9 ms with the server's
+# (`statestore.allocator`, large buffers kept in the heap).
+RANGED_GET_MIN_BYTES = 8 << 20
+RANGE_BYTES = 1 << 20
 NAME_CACHE_ENTRIES = 1 << 16  # Redis key names kept per tier (`redis_key`): ~10 MB at most
 SCAN_BATCH = 512
 
@@ -408,10 +416,28 @@ class RedisTier(Tier):
             await pool.release(conn)
 
     async def get(self, key: RecordKey) -> Record | None:
-        value = await self._attempt("get", lambda: self._client.get(self.redis_key(key)))
+        name = self.redis_key(key)
+        known = self._known.get(key)
+        if known is not None and known[1] >= RANGED_GET_MIN_BYTES and not self._cluster:
+            value = await self._attempt("get", lambda: self._get_ranged(name, known[1]))
+        else:
+            value = await self._attempt("get", lambda: self._client.get(name))
         if value is UNAVAILABLE:
             return None
         return await self._verified(key, value)
+
+    async def _get_ranged(self, name: str, size: int) -> bytes | None:
+        """The value of `name`, expected `size` bytes long, read as GETRANGE pieces and its
+        STRLEN in one transaction (so the pieces are of one value); None if the key is gone.
+        A value of another length (replaced since the tier learned its size) is read whole."""
+        pipe = self._client.pipeline(transaction=True)
+        for offset in range(0, size, RANGE_BYTES):
+            pipe.getrange(name, offset, min(size, offset + RANGE_BYTES) - 1)
+        pipe.strlen(name)
+        *pieces, length = await pipe.execute()
+        if length == size:
+            return b"".join(pieces)
+        return None if length == 0 else await self._client.get(name)
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """MGET on standalone Redis; a pipeline of GETs on a Cluster (keys span slots)."""

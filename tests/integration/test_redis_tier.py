@@ -176,6 +176,27 @@ async def test_put_sends_header_and_payload_as_one_value(tier: RedisTier, raw: R
         await expiring.aclose()
 
 
+async def test_large_values_go_out_in_groups_and_come_back_in_ranges(tier: RedisTier, raw: Redis, redis_url: str,
+                                                                    prefix: str) -> None:
+    """Above 8 MiB a SET batch is written in groups and a known value read as GETRANGE pieces in
+    one transaction: both byte for byte the encoded record. A value replaced by one of another
+    length since the tier learned its size is read whole, and a key gone since is a miss."""
+    big = [rec(1, (9 << 20) + 12_345), rec(2, 3 << 20), rec(3, 7 << 20)]  # the batch is ~19 MiB
+    assert await tier.put_many(big) == [True] * 3
+    for r in big:
+        assert await raw.get(tier.redis_key(r.key)) == encode_record(r)
+        assert_same(await tier.get(r.key), r)
+    other = RedisTier(redis_url, prefix=prefix)  # another node rewrites record 1, 1 MiB longer
+    try:
+        longer = rec(1, (10 << 20) + 12_345)
+        assert longer.key == big[0].key and await other.put(longer)
+    finally:
+        await other.aclose()
+    assert_same(await tier.get(big[0].key), longer)  # the stale size: read whole, still exact
+    await raw.delete(tier.redis_key(big[0].key))
+    assert await tier.get(big[0].key) is None
+
+
 async def test_a_refused_set_is_false_and_the_connection_recovers(
         redis_process_factory: Callable[..., RedisProcess], caplog: pytest.LogCaptureFixture) -> None:
     """An error reply in the middle of a batch (OOM on a full Redis) fails the batch cleanly:
