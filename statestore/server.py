@@ -78,10 +78,11 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
     def _store(self) -> TieredStore:
         return self._owner.store
 
-    def _owned(self, key: bytes, tenant: str) -> StateMeta | None:
-        """The index entry of `key` if it is the caller's, else None (another tenant's is a miss)."""
+    def _owned(self, key: bytes, tid: bytes) -> StateMeta | None:
+        """The index entry of `key` if it is the caller's (`tid`: its tenant id), else None
+        (another tenant's is a miss). Callers hash the tenant once per call, not per key."""
         meta = self._store.meta(key)
-        return meta if meta is not None and meta.tenant_id == tenant_id(tenant) else None
+        return meta if meta is not None and meta.tenant_id == tid else None
 
     @unary
     async def RegisterModel(self, request: Any, context: Any, tenant: str) -> Any:
@@ -328,7 +329,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                         continue
                     record = got
                 elif slots is not None and self._owner.ssd is not None:
-                    record, delivered = await self._get_delivering(key, tenant, tid, slots, shm_buf)
+                    record, delivered = await self._get_delivering(key, tid, slots, shm_buf)
                     if delivered:  # the SSD tier read it straight into its slot: only its header is left
                         total = encoded_size(record)
                         write_slot_header(shm_buf, slots.take(total), record)
@@ -357,14 +358,14 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         finally:  # once per call, not per record: the counter takes a lock
             self._calls.metrics.bytes_moved.labels("out").inc(sent_bytes)
 
-    async def _get_delivering(self, key: bytes, tenant: str, tid: bytes, slots: ShmSlots,
+    async def _get_delivering(self, key: bytes, tid: bytes, slots: ShmSlots,
                               shm_buf: Any) -> tuple[Record | None, bool]:
         """`store.get` for a shared-memory GetRecords: when the caller's record would fit the
         window's next slot, the SSD tier (if it reads it from the disk) copies the payload
         into that slot piece by piece while it reads the rest (`SSDTier.reading_into`), instead
         of the whole payload being copied after the read. Returns the record and whether its
         verified payload is in the slot (the slot is not taken yet either way)."""
-        meta = self._owned(key, tenant)
+        meta = self._owned(key, tid)
         at = slots.peek(meta.size_bytes) if meta is not None and meta.size_bytes >= _DELIVER_MIN_BYTES else None
         if at is None:
             return await self._store.get(key, expect_tenant=tid), False
@@ -378,7 +379,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
 
     async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
         keys = record_keys(request.keys, "keys")
-        metas = [self._owned(k, tenant) for k in keys]
+        tid = tenant_id(tenant)
+        metas = [self._owned(k, tid) for k in keys]
         missing = [k.hex() for k, m in zip(keys, metas) if m is None]
         if missing:
             raise NotFound(f"{len(missing)} of {len(keys)} keys are not stored on this node (first: {missing[0]}); "
@@ -393,7 +395,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         keys, _ = self._chain_keys(request)
         if request.generated_tokens > 1 << 40:
             raise BadField(f"generated_tokens: {request.generated_tokens} > 2^40")
-        mine = [k for k in keys if self._owned(k, tenant) is not None]  # another tenant's key: nothing, silently
+        tid = tenant_id(tenant)
+        mine = [k for k in keys if self._owned(k, tid) is not None]  # another tenant's key: nothing, silently
         self._store.request_done(mine, request.generated_tokens)
         return statestore_pb2.RequestDoneResponse(known_records=len(mine))
 
@@ -414,10 +417,11 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 tiers.append(TierName(name))
             except ValueError:
                 raise BadField(f"tiers[{i}]: unknown tier {name!r}; use host, ssd or redis") from None
+        tid = tenant_id(tenant)
         out = []
         for key in keys:
             removed: frozenset[TierName] = frozenset()
-            if self._owned(key, tenant) is not None:  # another tenant's key: nothing, silently
+            if self._owned(key, tid) is not None:  # another tenant's key: nothing, silently
                 removed = await self._store.evict(key, tiers or None, force=request.force)
             out.append(statestore_pb2.EvictedInfo(key=key, tiers=sorted(t.value for t in removed)))
         return statestore_pb2.EvictResponse(evicted=out)
@@ -455,7 +459,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
     @unary
     async def Inspect(self, request: Any, context: Any, tenant: str) -> Any:
         key = record_key(request.key, "key")
-        meta = self._owned(key, tenant)
+        meta = self._owned(key, tenant_id(tenant))
         if meta is None:
             raise NotFound(f"record {key.hex()} is not stored on this node")
         info = record_info(meta)
