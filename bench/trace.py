@@ -397,23 +397,25 @@ class Simulator:
         booked = Breakdown(res.seconds)
         t0 = time.perf_counter()
         finishing: list[tuple[float, int, list[RecordKey], int]] = []  # (done at, seq, keys, generated tokens)
-        for seq, req in enumerate(self.requests):
-            now[0] = req.t_s
-            while finishing and finishing[0][0] <= req.t_s:  # requests that finished before this one arrived
+
+        def report_finished(until: float) -> None:
+            """Tell the store of the requests that finished by `until` (their output lengths)."""
+            while finishing and finishing[0][0] <= until:
                 _, _, keys, generated = heapq.heappop(finishing)
                 store.request_done(keys, generated)
+
+        for seq, req in enumerate(self.requests):
+            now[0] = req.t_s
+            report_finished(req.t_s)
             full = self.full_prefill_s(req)
             res.full_prefill_s += full
-            ttft, compute = await self._request(store, layout, req, res, booked)
+            ttft, compute, keys = await self._request(store, layout, req, res, booked)
             res.ttft_s.append(ttft)
             res.compute_s += compute
             # It finishes after its TTFT and its decode; only then does the store learn its output length.
             done_at = req.t_s + ttft + req.output_length * self.engine.decode_s(req.input_length)
-            keys = [make_record_key(GLOBAL, self.block_key(req, i)) for i in range(len(req.hash_ids))]
             heapq.heappush(finishing, (done_at, seq, keys, req.output_length))
-        while finishing:  # the last requests finish after the trace: nothing is priced after them
-            _, _, keys, generated = heapq.heappop(finishing)
-            store.request_done(keys, generated)
+        report_finished(math.inf)  # the last requests finish after the trace: nothing is priced after them
         res.wall_s = time.perf_counter() - t0
         res.ssd_bytes_written = ssd.bytes_written if ssd else 0
         res.evictions = {t.value: sum(k.evictions for k in st.by_kind.values()) for t, st in store.stats().items()}
@@ -422,19 +424,20 @@ class Simulator:
         return res
 
     async def _request(self, store: TieredStore, layout: Layout, req: Request, res: RunResult,
-                       booked: Breakdown) -> tuple[float, float]:
-        """One request: load what is stored, rebuild or prefill the rest, store it. -> (TTFT, compute)."""
+                       booked: Breakdown) -> tuple[float, float, list[RecordKey]]:
+        """One request: load what is stored, rebuild or prefill the rest, store it.
+        -> (TTFT, compute, the record keys of its chain)."""
         keys = [self.block_key(req, i) for i in range(len(req.hash_ids))]
+        rkeys = [make_record_key(GLOBAL, k) for k in keys]
         res.blocks += len(keys)
         # What an inference server does first: look up the request's chain (the policy may learn
         # from where each block sits in it; LRU ignores it).
-        await store.lookup([make_record_key(GLOBAL, k) for k in keys])
+        await store.lookup(rkeys)
         load = compute = 0.0
         rebuilt_prev = False
         prefix_broken = False
         to_put: list[int] = []
-        for i, block_key in enumerate(keys):
-            rkey = make_record_key(GLOBAL, block_key)
+        for i, rkey in enumerate(rkeys):
             tier = None if prefix_broken else await self._load(store, rkey)
             if tier is not None:
                 res.hits[tier.value] += 1
@@ -464,7 +467,7 @@ class Simulator:
             # The record covers the block's real tokens (the last one may be partial; its payload is padded).
             end = min(start + BLOCK_TOKENS, max(req.input_length, start + 1))
             await self._put(store, self.record(GLOBAL, keys[i], layout.block_bytes, start, end), res)
-        return load + compute, compute
+        return load + compute, compute, rkeys
 
     @staticmethod
     async def _load(store: TieredStore, rkey: RecordKey) -> TierName | None:
