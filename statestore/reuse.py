@@ -96,23 +96,24 @@ def outcome_bucket(generated_tokens: int) -> int:
     return bisect.bisect_right(_OUTCOME_EDGES, generated_tokens)
 
 
+def has_outcome(context: int) -> bool:
+    """Whether `context` was refined by `with_outcome`."""
+    return context >= _OUTCOME_STRIDE
+
+
 def with_outcome(context: int, generated_tokens: int) -> int:
     """`context` (a `chain_context` label or NO_CONTEXT) refined by how many tokens the reader's
     request generated. A context that already carries an outcome is returned as it is."""
-    if context >= _OUTCOME_STRIDE:
+    if has_outcome(context):
         return context
     chain = _CHAIN_LABELS if context == NO_CONTEXT else context
     return (1 + outcome_bucket(generated_tokens)) * _OUTCOME_STRIDE + chain
 
 
-def has_outcome(context: int) -> bool:
-    return context >= _OUTCOME_STRIDE
-
-
 def describe_context(context: int) -> str:
     """`chain 32-47, 1 from end` for a label of `chain_context`; `no chain` for NO_CONTEXT; with
     `, the request generated 16-63 tokens` once refined by `with_outcome`."""
-    if context >= _OUTCOME_STRIDE:
+    if has_outcome(context):
         bucket, chain = divmod(context, _OUTCOME_STRIDE)
         edges = (0, *_OUTCOME_EDGES)
         b = bucket - 1
