@@ -32,6 +32,17 @@ operation), so the record is found under the spare name or the final one, never 
 A crash before step 3 returns leaves a spare that is empty (a spare again) or torn (the
 scan quarantines it); it never replaced anything: a torn record is never served.
 
+A spare may also be a recycled one (`recycle`): the file of a dropped record, its header block
+zeroed and fdatasynced before it was renamed into the spares directory, its size and data
+blocks kept. Only a record of exactly that size claims it, so step 2 overwrites blocks that
+are allocated and written and leaves the file's size as it was. On the development VM (ext4
+on a virtio disk) an O_DIRECT write plus fdatasync into such a file took 0.35 / 0.65 / 1.73 /
+12.5 ms at 256 KiB / 1 / 4 / 32 MiB, against 0.47 / 0.93 / 2.46 / 17.3 ms into an empty
+spare, which allocates its blocks (and, on a thin-provisioned disk, makes the host allocate
+them). A crash in the middle of step 2 leaves a recycled spare (header still zero), or a
+whole-looking record whose payload checksum fails at its first `get` (quarantined, never
+served).
+
 New key without a spare (`write_new`: the pool is empty, or disabled), the data commit
 plus the directory fsync::
 
@@ -535,6 +546,39 @@ def make_spares(directory: str | Path, names: Sequence[str], sync: bool = True) 
     return made
 
 
+def recycle(path: str | Path, spare: str | Path) -> int:
+    """Turn the file of a dropped record into a recycled spare; returns its size.
+
+    Its first block (the header) is zeroed and fdatasynced before the file is renamed into the
+    spares directory: a spare holding a whole record is a put to be finished (the scan moves it
+    to its record's name), so a dropped record must be invalid before it can be found there,
+    or a crash could bring an old version back over a newer one. The rename needs a directory
+    fsync before a put may claim the spare (the tier batches it with the spare refill). A
+    recycled spare keeps its data blocks and its size: a put of a record of that size
+    overwrites blocks that are allocated and written, which spares the file system (and on a
+    thin-provisioned virtual disk, the host) the allocation a new file's write pays (module
+    docstring)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        _pwrite_all(fd, memoryview(bytes(min(ALIGN, size))), 0)  # within the file: its size is unchanged
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.replace(path, spare)
+    return size
+
+
+def is_recycled_spare(path: str | Path) -> bool:
+    """Whether a non-empty spare is a recycled one (`recycle`: its header block is zero)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        head = os.pread(fd, HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    return len(head) == HEADER_SIZE and not any(head)
+
+
 def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool, buffers: IOBuffers) -> None:
     """Steps 1-4 of the spare protocol (module docstring): the record is durable once this
     returns. On any error the spare is removed (it may hold part of a record) and the error
@@ -674,6 +718,11 @@ def remove_quietly(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_all(paths: Sequence[str | Path]) -> None:
+    for path in paths:
+        remove_quietly(path)
 
 
 def open_for_read(path: str | Path, *, direct: bool) -> int:

@@ -30,12 +30,16 @@ class KindUsage:
 
 @dataclass(frozen=True, slots=True)
 class TierUsage:
-    """A snapshot of what a tier holds. `resident_bytes` counts everything it costs."""
+    """A snapshot of what a tier holds. `resident_bytes` counts everything its records cost
+    (payload, padding, headers, index); `reserve_bytes` what it holds beyond them for reuse."""
 
     name: str
     budget_bytes: int  # 0 = unbounded (the tier never refuses for size)
     by_kind: dict[int, KindUsage] = field(default_factory=dict)
     healthy: bool = True
+    # Bytes held for reuse, not records (the SSD tier's recycled spares): part of what the
+    # tier occupies and of its budget, given up first when a put needs the room.
+    reserve_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:

@@ -1007,3 +1007,138 @@ async def test_a_large_put_refused_o_direct_midway_is_written_buffered(tier: SSD
     assert_same(await tier.get(want.key), want)
     assert await tier.contains([failing.key]) == [False]
     assert files_under(tier._layout.root) == [str(record_path(tier._layout.root, want).relative_to(tier._layout.root))]
+
+
+# ----- recycled spares ---------------------------------------------------------------------------
+
+
+async def recycled_ready(tier: SSDTier, count: int, timeout_s: float = 5.0) -> None:
+    """Until `count` recycled spares are claimable (their directory fsync, the refill's, done)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(len(p) for p in tier._recycled.ready.values()) < count:
+        assert time.monotonic() < deadline, f"recycled spares never became ready: {tier._recycled}"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_deleted_records_file_is_overwritten_by_the_next_record_of_its_size(tier: SSDTier) -> None:
+    """The file (inode, blocks) of a deleted O_DIRECT-sized record is kept as a recycled
+    spare and taken by the next new record of exactly its size; other sizes never get it."""
+    first, other_size = rec(1, 300_000), rec(2, 200_000)
+    assert await tier.put(first)
+    inode = record_path(tier._layout.root, first).stat().st_ino
+    assert await tier.delete(first.key)
+    await recycled_ready(tier, 1)
+    assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + 300_000, 4096)
+    assert await tier.get(first.key) is None
+    assert await tier.put(other_size)
+    assert record_path(tier._layout.root, other_size).stat().st_ino != inode
+    same_size = rec(3, 300_000)
+    assert await tier.put(same_size)
+    assert record_path(tier._layout.root, same_size).stat().st_ino == inode
+    assert tier.usage().reserve_bytes == 0
+    assert_same(await tier.get(same_size.key), same_size)
+    assert_same(await tier.get(other_size.key), other_size)
+    tier = await reopen(tier)  # what was written over the old blocks is durable and whole
+    try:
+        assert_same(await tier.get(same_size.key), same_size)
+        assert tier.last_scan.discarded == []
+    finally:
+        await tier.aclose()
+
+
+async def test_a_recycled_spare_never_brings_its_record_back_and_is_reused_after_a_restart(tmp_path: Path) -> None:
+    """Restart with a recycled spare (and one still pending its directory fsync): neither
+    record comes back, nothing is reported as damaged, both are recycled spares again."""
+    tier = await SSDTier.create(tmp_path / "ssd")
+    records = [rec(i, 150_000) for i in range(2)]
+    assert all([await tier.put(r) for r in records])
+    for r in records:
+        assert await tier.delete(r.key)
+    tier = await reopen(tier)
+    try:
+        assert tier.last_scan.headers == [] and tier.last_scan.discarded == []
+        assert [await tier.get(r.key) for r in records] == [None, None]
+        assert tier.usage().reserve_bytes == 2 * _fs.round_up(HEADER_SIZE + 150_000, 4096)
+        again = rec(7, 150_000)
+        assert await tier.put(again)
+        assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + 150_000, 4096)
+        assert_same(await tier.get(again.key), again)
+    finally:
+        await tier.aclose()
+
+
+async def test_a_whole_record_in_a_recycled_spare_is_recovered_at_scan(tmp_path: Path) -> None:
+    """A put into a recycled spare that was fdatasynced but whose rename did not reach the
+    disk (acknowledged): the scan moves it to its name. One torn before its header block was
+    written stays a recycled spare; one torn after it fails its checksum at the first get."""
+    tier = await SSDTier.create(tmp_path / "ssd")
+    size = 300_000
+    victims = [rec(i, size) for i in range(3)]
+    assert all([await tier.put(r) for r in victims])
+    for r in victims:
+        assert await tier.delete(r.key)
+    await recycled_ready(tier, 3)
+    spares = sorted(p for paths in tier._recycled.ready.values() for p in paths)
+    await tier.aclose()
+    acknowledged, torn_late = rec(10, size), rec(11, size)
+    encoded = encode_record(acknowledged)
+    with open(spares[0], "r+b") as f:  # the whole new record, as a write_spare before its rename
+        f.write(encoded)
+    with open(spares[1], "r+b") as f:  # torn before the header block: payload only
+        f.seek(4096)
+        f.write(encode_record(torn_late)[4096:100_000])
+    with open(spares[2], "r+b") as f:  # torn after it: header and the start of the payload
+        f.write(encode_record(torn_late)[:100_000])
+    tier = await SSDTier.create(tmp_path / "ssd")
+    try:
+        assert tier.last_scan.discarded == []
+        assert sorted(h.key for h in tier.last_scan.headers) == sorted([acknowledged.key, torn_late.key])
+        assert_same(await tier.get(acknowledged.key), acknowledged)
+        assert await tier.get(torn_late.key) is None  # checksum: quarantined, never served
+        assert list((tier._layout.root / "quarantine").iterdir())
+        assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + size, 4096)
+    finally:
+        await tier.aclose()
+
+
+async def test_recycled_spares_count_against_the_budget_and_give_way_to_a_put(tmp_path: Path) -> None:
+    """Records plus recycled spares stay within the budget; a put of another size that needs
+    their room gets it (they are unlinked), where it would otherwise be refused."""
+    size = 150_000
+    footprint = _fs.round_up(HEADER_SIZE + size, 4096) + INDEX_ENTRY_BYTES
+    tier = await SSDTier.create(tmp_path / "ssd", budget_bytes=3 * footprint + 4096, recycle_bytes=2 * footprint)
+    try:
+        kept = [rec(i, size) for i in range(3)]
+        assert all([await tier.put(r) for r in kept])
+        for r in kept[:2]:
+            assert await tier.delete(r.key)
+        await recycled_ready(tier, 2)
+        usage = tier.usage()
+        assert usage.reserve_bytes == 2 * _fs.round_up(HEADER_SIZE + size, 4096)
+        assert usage.resident_bytes + usage.reserve_bytes <= 3 * footprint + 4096
+        bigger = rec(20, 2 * size)  # needs the room of both
+        assert await tier.put(bigger)
+        assert tier.usage().reserve_bytes == 0
+        deadline = time.monotonic() + 5
+        while any(p.stat().st_size for p in (tier._layout.root / "spares").iterdir()):
+            assert time.monotonic() < deadline, "the recycled spares given up were never unlinked"
+            await asyncio.sleep(0.005)
+        assert tier.usage().resident_bytes <= 3 * footprint + 4096
+        assert_same(await tier.get(bigger.key), bigger)
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.parametrize("recycle_bytes, size", [(0, 300_000), (None, 4_000), (300_000, 300_000)])
+async def test_what_is_not_recycled_is_unlinked(tmp_path: Path, recycle_bytes: int | None, size: int) -> None:
+    """Recycling off, a record below the O_DIRECT size, or a file over the pool's limit:
+    deleting it unlinks it, as without recycling."""
+    tier = await SSDTier.create(tmp_path / "ssd", recycle_bytes=recycle_bytes)
+    try:
+        r = rec(1, size)
+        assert await tier.put(r) and await tier.delete(r.key)
+        await refilled(tier)
+        assert tier.usage().reserve_bytes == 0
+        assert files_under(tier._layout.root) == []
+    finally:
+        await tier.aclose()
