@@ -214,8 +214,9 @@ async def _stats(c: Any, args: argparse.Namespace) -> Any:
         return s
     print(f"model {s.model_name} ({s.model_fingerprint.hex()}), {s.num_records:,} records, "
           f"{s.live_sessions} live sessions, up {s.uptime_seconds:.0f} s")
-    _table(["tier", "budget", "resident", "fill", "healthy"],
-           [[t.tier, t.budget_bytes or "unbounded", t.resident_bytes, f"{t.fill:.1%}", t.healthy] for t in s.tiers])
+    _table(["tier", "budget", "resident", "reserve", "fill", "healthy"],
+           [[t.tier, t.budget_bytes or "unbounded", t.resident_bytes, t.reserve_bytes, f"{t.fill:.1%}", t.healthy]
+            for t in s.tiers])
     print()
     _table(["tier", "kind", "records", "bytes", "hits", "misses", "evictions", "promotions"],
            [[k.tier, k.kind_name, k.num_records, k.resident_bytes, k.hits, k.misses, k.evictions, k.promotions]

@@ -115,6 +115,7 @@ class TierStats:
     resident_bytes: int
     fill: float
     healthy: bool
+    reserve_bytes: int = 0  # held for reuse beyond the records (the SSD tier's recycled spares)
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,7 +458,8 @@ class StateStoreClient:
     async def stats(self) -> StatsInfo:
         r = await self._call(self._store.Stats, statestore_pb2.StatsRequest())
         return StatsInfo(
-            tiers=[TierStats(**_fields(t, ("tier", "budget_bytes", "resident_bytes", "fill", "healthy"))) for t in r.tiers],
+            tiers=[TierStats(**_fields(t, ("tier", "budget_bytes", "resident_bytes", "fill", "healthy",
+                                                   "reserve_bytes"))) for t in r.tiers],
             kinds=[KindStats(**_fields(k, ("tier", "kind", "kind_name", "num_records", "resident_bytes", "hits",
                                            "misses", "evictions", "promotions"))) for k in r.kinds],
             num_records=r.num_records, live_sessions=r.live_sessions, model_fingerprint=bytes(r.model_fingerprint),

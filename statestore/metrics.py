@@ -49,19 +49,22 @@ class _StoreCollector(Collector):
                                      labels=["tier", "kind"])
         records = GaugeMetricFamily("statestore_tier_records", "Records per tier and kind", labels=["tier", "kind"])
         healthy = GaugeMetricFamily("statestore_tier_healthy", "1 when the tier serves", labels=["tier"])
+        reserve = GaugeMetricFamily("statestore_tier_reserve_bytes",
+                                    "Bytes held for reuse beyond the records (recycled SSD files)", labels=["tier"])
         counters = {name: CounterMetricFamily(f"statestore_{name}", f"Store {name} per tier and kind",
                                               labels=["tier", "kind"])
                     for name in ("hits", "misses", "evictions", "promotions")}
         for tier, ts in stats.items():
             budget.add_metric([tier.value], ts.budget_bytes)
             healthy.add_metric([tier.value], 1.0 if ts.healthy else 0.0)
+            reserve.add_metric([tier.value], ts.reserve_bytes)
             for kind, ks in ts.by_kind.items():
                 labels = [tier.value, kind_name(kind)]
                 resident.add_metric(labels, ks.resident_bytes)
                 records.add_metric(labels, ks.num_records)
                 for name, family in counters.items():
                     family.add_metric(labels, getattr(ks, name))
-        yield from (budget, resident, records, healthy, *counters.values())
+        yield from (budget, resident, records, healthy, reserve, *counters.values())
 
 
 class ServiceMetrics:

@@ -436,7 +436,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         for name, ts in self._store.stats().items():
             response.tiers.append(statestore_pb2.TierStatsInfo(tier=name.value, budget_bytes=ts.budget_bytes,
                                                                resident_bytes=ts.resident_bytes, fill=ts.fill,
-                                                               healthy=ts.healthy))
+                                                               healthy=ts.healthy, reserve_bytes=ts.reserve_bytes))
             for kind, ks in ts.by_kind.items():
                 response.kinds.append(statestore_pb2.KindStatsInfo(
                     tier=name.value, kind=kind, kind_name=kind_name(kind), num_records=ks.num_records,

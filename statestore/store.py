@@ -781,7 +781,8 @@ class TieredStore:
             usage = tier.usage()
             kinds = set(usage.by_kind) | {k for n, k in self._counters if n is name}
             by_kind = {k: self._kind_stats(name, k, usage.by_kind.get(k)) for k in sorted(kinds)}
-            out[name] = TierStats(name, usage.budget_bytes, usage.resident_bytes, usage.fill, tier.healthy, by_kind)
+            out[name] = TierStats(name, usage.budget_bytes, usage.resident_bytes, usage.fill, tier.healthy, by_kind,
+                                  usage.reserve_bytes)
         return out
 
     def _kind_stats(self, name: TierName, kind: int, usage: object) -> KindStats:

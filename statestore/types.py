@@ -223,6 +223,7 @@ class TierStats:
     fill: float
     healthy: bool
     by_kind: dict[int, KindStats] = field(default_factory=dict)
+    reserve_bytes: int = 0  # held for reuse beyond the records (`tiers.base.TierUsage`)
 
 
 @dataclass(frozen=True, slots=True)

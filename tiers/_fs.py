@@ -552,8 +552,8 @@ def recycle(path: str | Path, spare: str | Path) -> int:
     Its first block (the header) is zeroed and fdatasynced before the file is renamed into the
     spares directory: a spare holding a whole record is a put to be finished (the scan moves it
     to its record's name), so a dropped record must be invalid before it can be found there,
-    or a crash could bring an old version back over a newer one. The rename needs a directory
-    fsync before a put may claim the spare (the tier batches it with the spare refill). A
+    or a crash could bring an old version back over a newer one. The spares directory is then
+    fsynced: a put may claim the spare only once its name is durable (`write_spare`). A
     recycled spare keeps its data blocks and its size: a put of a record of that size
     overwrites blocks that are allocated and written, which spares the file system (and on a
     thin-provisioned virtual disk, the host) the allocation a new file's write pays (module
@@ -566,6 +566,7 @@ def recycle(path: str | Path, spare: str | Path) -> int:
     finally:
         os.close(fd)
     os.replace(path, spare)
+    fsync_dir(Path(spare).parent)
     return size
 
 

@@ -1012,12 +1012,9 @@ async def test_a_large_put_refused_o_direct_midway_is_written_buffered(tier: SSD
 # ----- recycled spares ---------------------------------------------------------------------------
 
 
-async def recycled_ready(tier: SSDTier, count: int, timeout_s: float = 5.0) -> None:
-    """Until `count` recycled spares are claimable (their directory fsync, the refill's, done)."""
-    deadline = time.monotonic() + timeout_s
-    while sum(len(p) for p in tier._recycled.ready.values()) < count:
-        assert time.monotonic() < deadline, f"recycled spares never became ready: {tier._recycled}"
-        await asyncio.sleep(0.005)
+async def recycled_ready(tier: SSDTier, count: int) -> None:
+    """`count` recycled spares are claimable as soon as the deletes return."""
+    assert sum(len(p) for p in tier._recycled.ready.values()) == count, tier._recycled
 
 
 async def test_a_deleted_records_file_is_overwritten_by_the_next_record_of_its_size(tier: SSDTier) -> None:
@@ -1047,8 +1044,8 @@ async def test_a_deleted_records_file_is_overwritten_by_the_next_record_of_its_s
 
 
 async def test_a_recycled_spare_never_brings_its_record_back_and_is_reused_after_a_restart(tmp_path: Path) -> None:
-    """Restart with a recycled spare (and one still pending its directory fsync): neither
-    record comes back, nothing is reported as damaged, both are recycled spares again."""
+    """Restart with two recycled spares: neither record comes back, nothing is reported as
+    damaged, both are recycled spares again."""
     tier = await SSDTier.create(tmp_path / "ssd")
     records = [rec(i, 150_000) for i in range(2)]
     assert all([await tier.put(r) for r in records])

@@ -273,6 +273,37 @@ async def test_filling_ssd_evicts_in_lru_order_and_residency_is_bytes_on_disk(
     assert store.stats()[SSD].resident_bytes == ssd_bytes_on_disk(root, entry) == 3 * footprint
 
 
+async def test_ssd_evictions_recycle_files_and_reserve_plus_residency_is_bytes_on_disk(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    """O_DIRECT-sized records: an eviction keeps the file as a recycled spare (stats'
+    reserve_bytes), the next put of that size writes over it, and records plus reserve are
+    the bytes on disk, within the budget."""
+    root, size = tmp_path / "ssd", 150_000
+    probe = await open_ssd(tmp_path / "probe")
+    footprint = probe.footprint(rec(0, size=size))
+    await probe.aclose()
+    ssd = await ssd_module().SSDTier.create(root, 4 * footprint, recycle_bytes=footprint)
+    store = stores(ssd=ssd)
+    recs = [rec(i, size=size) for i in range(8)]
+    for r in recs[:4]:
+        await store.put(r)
+    inodes = {p.stat().st_ino for p in root.rglob("*.rec")}
+    for r in recs[4:]:
+        assert len((await store.put(r)).evicted) == 1
+    block = os.stat(root).st_blksize
+    spare_bytes = sum(-(-p.stat().st_size // block) * block for p in (root / "spares").iterdir())
+    stats = store.stats()[SSD]
+    entry = ssd_module().INDEX_ENTRY_BYTES
+    assert stats.resident_bytes == ssd_bytes_on_disk(root, entry) == 4 * footprint
+    assert stats.reserve_bytes == spare_bytes <= footprint
+    assert stats.resident_bytes + stats.reserve_bytes <= 4 * footprint
+    reused = inodes & {p.stat().st_ino for p in root.rglob("*.rec")}
+    assert reused, "no put wrote over the file of an evicted record"
+    for r in recs[4:]:
+        got = await store.get(r.key)
+        assert got is not None and bytes(got.payload) == bytes(r.payload)
+
+
 async def test_pins_survive_budget_pressure(stores: Callable[..., TieredStore]) -> None:
     store = stores(host=host_tier(3))
     recs = [rec(i) for i in range(6)]

@@ -188,18 +188,20 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStatsInfo, _Mapping]]] = ..., kinds: _Optional[_Iterable[_Union[KindStatsInfo, _Mapping]]] = ..., num_records: _Optional[int] = ..., live_sessions: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., model_name: _Optional[str] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
 
 class TierStatsInfo(_message.Message):
-    __slots__ = ("tier", "budget_bytes", "resident_bytes", "fill", "healthy")
+    __slots__ = ("tier", "budget_bytes", "resident_bytes", "fill", "healthy", "reserve_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: str
     budget_bytes: int
     resident_bytes: int
     fill: float
     healthy: bool
-    def __init__(self, tier: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., fill: _Optional[float] = ..., healthy: bool = ...) -> None: ...
+    reserve_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., fill: _Optional[float] = ..., healthy: bool = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
 
 class KindStatsInfo(_message.Message):
     __slots__ = ("tier", "kind", "kind_name", "num_records", "resident_bytes", "hits", "misses", "evictions", "promotions")
