@@ -566,7 +566,11 @@ def recycle(path: str | Path, spare: str | Path) -> int:
     finally:
         os.close(fd)
     os.replace(path, spare)
-    fsync_dir(Path(spare).parent)
+    try:
+        fsync_dir(Path(spare).parent)
+    except BaseException:
+        remove_quietly(spare)  # a name that may not be durable is never claimed
+        raise
     return size
 
 
