@@ -18,6 +18,8 @@ TOML layout (every key optional)::
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
                policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
                profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
+               cache_kinds = []        # kinds kept as a cache, e.g. ["opaque"] (LMCache chunks): evictable
+                                       # for room even as their only LOCAL/SHARED copy
     [engine]   preset = "tiny"   seed = 0
     [sessions] block_size = 256   durability = "local"   default_mode = "bounded"   keep_rings_ttl_s = 0
     [quotas]   max_bytes = 0   max_sessions = 0                       # every tenant's default; 0 = unbounded
@@ -37,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from engine_adapter.base import StateKind
 
 ENGINE_PRESETS = ("mini", "tiny")
 DURABILITIES = ("memory", "local", "shared")
@@ -89,6 +93,9 @@ class ServiceConfig:
     ssd_budget_bytes: int = 0  # 0 = unbounded
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
+    # Kinds whose records are a cache (names or codes, e.g. "opaque" for LMCache chunks): their
+    # only durable copy may still be evicted for room (`StoreConfig.cache_kinds`).
+    cache_kinds: tuple[str, ...] = ()
     secret_file: Path | None = None  # tenant key salts derive from it; None = <data_dir>/secret
     policy: str = "lru"  # placement/eviction policy: "lru" or "cost" (needs a calibration profile)
     profile: Path | None = None  # the cost profile "cost" loads; None = statestore calibrate's default path
@@ -101,6 +108,10 @@ class ServiceConfig:
     quota_max_bytes: int = 0  # [quotas]: every tenant's default record bytes; 0 = unbounded
     quota_max_sessions: int = 0  # [quotas]: every tenant's default sessions; 0 = unbounded
     tenant_quotas: Mapping[str, TenantQuota] = field(default_factory=dict)  # [tenants.<name>] overrides
+
+    @property
+    def cache_kind_codes(self) -> frozenset[int]:
+        return frozenset(code for code in map(parse_kind, self.cache_kinds) if code is not None)
 
     def __post_init__(self) -> None:
         host, port = split_listen(self.listen)
@@ -131,6 +142,9 @@ class ServiceConfig:
         _check(self.default_mode in REPLAY_MODES, "sessions.default_mode",
                f"{self.default_mode!r} is not one of {', '.join(REPLAY_MODES)}")
         _check(self.keep_rings_ttl_s >= 0, "sessions.keep_rings_ttl_s", f"{self.keep_rings_ttl_s} < 0")
+        for kind in self.cache_kinds:
+            _check(parse_kind(kind) is not None, "storage.cache_kinds",
+                   f"{kind!r} is not a kind: one of {', '.join(k.name.lower() for k in StateKind)} or a code")
         _check(self.quota_max_bytes >= 0, "quotas.max_bytes", f"{self.quota_max_bytes} < 0")
         _check(self.quota_max_sessions >= 0, "quotas.max_sessions", f"{self.quota_max_sessions} < 0")
         tenants = set(self.tokens) or {"default"}
@@ -180,6 +194,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parse_kind(name: str) -> int | None:
+    """A kind code from its name ("opaque") or its number ("6"); None if it is neither."""
+    if name.isdigit():
+        return int(name) if 0 < int(name) < 1 << 16 else None
+    try:
+        return int(StateKind[name.upper()])
+    except KeyError:
+        return None
+
+
 def _check(ok: bool, name: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"config {name}: {why}")
@@ -202,6 +226,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
+    ("storage", "cache_kinds"): "cache_kinds",
     ("storage", "secret_file"): "secret_file",
     ("storage", "policy"): "policy",
     ("storage", "profile"): "profile",
@@ -231,6 +256,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
                 raise ValueError("expected a table of tenant = \"token\"")
             return dict(value)
+        if name == "cache_kinds":
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, (str, int)) for v in value):
+                raise ValueError("expected kind names or codes, e.g. [\"opaque\"] or \"opaque,6\"")
+            return tuple(str(v).lower() for v in value)
         if kind == "int":
             if isinstance(value, bool) or (not isinstance(value, (int, str))):
                 raise ValueError("expected an integer")

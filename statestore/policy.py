@@ -49,12 +49,13 @@ def required_tier(durability: Durability, present: Collection[TierName]) -> Tier
 
 
 def eviction_block_reason(meta: StateMeta, tier: TierName) -> str | None:
-    """Why the copy of `meta` in `tier` must not be evicted, or None if it may be."""
+    """Why the copy of `meta` in `tier` must not be evicted, or None if it may be: pinned,
+    unacknowledged, or the only copy at its durability level (unless its kind is a cache)."""
     if meta.pinned:
         return "pinned"
     if not meta.acked:
         return "not yet acknowledged"
-    if meta.durability > Durability.MEMORY and TIER_DURABILITY[tier] >= meta.durability:
+    if meta.durability > Durability.MEMORY and not meta.cache and TIER_DURABILITY[tier] >= meta.durability:
         others = [t for t in meta.tiers if t is not tier and TIER_DURABILITY[t] >= meta.durability]
         if not others:
             return f"the only {meta.durability.name} copy"

@@ -548,14 +548,15 @@ class StateStoreServer:
         c = self.config
         specs = self.adapter.state_specs()
         retention = {int(s.kind): s.retention for s in specs}
-        policy, store_config = None, StoreConfig(retention_by_kind=retention)
+        policy, store_config = None, StoreConfig(retention_by_kind=retention, cache_kinds=c.cache_kind_codes)
         if c.policy == "cost":  # before any tier opens: a missing profile leaves nothing locked
             from statestore.cost_policy import CostAwarePolicy
             from statestore.profile import CostProfile
 
             profile = await asyncio.to_thread(CostProfile.load, c.profile)
             policy = CostAwarePolicy(profile)  # its measured tier costs price loads for the store too
-            store_config = StoreConfig(retention_by_kind=retention, tier_profiles=profile.tier_profiles())
+            store_config = StoreConfig(retention_by_kind=retention, tier_profiles=profile.tier_profiles(),
+                                       cache_kinds=c.cache_kind_codes)
         host = HostTier(c.host_budget_bytes, make_page_sizes(specs, c.block_size))
         ssd = await SSDTier.create(c.ssd_dir, budget_bytes=c.ssd_budget_bytes)
         redis = None

@@ -103,6 +103,10 @@ class StoreConfig:
     tier_profiles: Mapping[TierName, TierProfile] = field(default_factory=lambda: dict(DEFAULT_TIER_PROFILES))
     eviction_window: int = 32  # candidates shown to the policy per eviction (at least enough bytes)
     enable_events: bool = False  # record StoreEvents for take_events()
+    # Kinds whose records are a cache (LMCache chunks, OPAQUE): evictable for room even as the
+    # only copy at their durability level. Pins and unacknowledged puts stay protected. The kind
+    # is in every record's header, so the rule holds for records indexed by a scan after a restart.
+    cache_kinds: frozenset[int] = frozenset()
 
 
 class _Placed(enum.Enum):
@@ -310,13 +314,14 @@ class TieredStore:
         created = header.created_at_ns / 1e9
         meta = self._index.get(header.key) or StateMeta(
             header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
-            acked=True, created=created, last_access=created,
+            acked=True, cache=header.kind in self._config.cache_kinds, created=created, last_access=created,
             model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id,
             token_start=header.token_start, token_end=header.token_end)
-        # Scans give headers, not payloads: the copy's bytes are estimated from the stored size.
-        stored = header.stored_length or header.raw_length
+        # Scans give headers, not payloads: the tier prices the copy from its header (an estimate
+        # below the tier's real footprint made evicting one record too little for a record of
+        # the same size after a restart: a full SSD then refused every put).
         meta = meta.evolve(durability=max(meta.durability, TIER_DURABILITY[name]))
-        self._set_meta(meta.with_copy(name, HEADER_SIZE + stored))
+        self._set_meta(meta.with_copy(name, self._tiers[name].scanned_footprint(header)))
         self._event(EventKind.STORED, header.key, name, "scan")
 
     async def aclose(self) -> None:
@@ -380,6 +385,7 @@ class TieredStore:
         h = record.header
         if prev is None:
             return StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), durability=durability,
+                             cache=h.kind in self._config.cache_kinds,
                              created=now, last_access=now, hints=hints, model_fingerprint=h.model_fingerprint,
                              tenant_id=h.tenant_id, token_start=h.token_start, token_end=h.token_end)
         return prev.evolve(acked=False, durability=max(durability, prev.durability), last_access=now,
@@ -652,7 +658,8 @@ class TieredStore:
         """Index a record another node wrote to a shared tier."""
         h = record.header
         meta = StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind),
-                         durability=TIER_DURABILITY[source], acked=True, created=h.created_at_ns / 1e9,
+                         durability=TIER_DURABILITY[source], acked=True, cache=h.kind in self._config.cache_kinds,
+                         created=h.created_at_ns / 1e9,
                          model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id,
                          token_start=h.token_start, token_end=h.token_end)
         return meta.with_copy(source, self._tiers[source].footprint(record))

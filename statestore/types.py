@@ -78,6 +78,7 @@ class StateMeta:
     durability: Durability = Durability.MEMORY
     acked: bool = False
     pinned: bool = False
+    cache: bool = False  # a cache kind (`StoreConfig.cache_kinds`): its only durable copy may be evicted
     resident: tuple[tuple[TierName, int], ...] = ()  # (tier, resident bytes there), fastest first
     created: float = 0.0  # wall-clock seconds
     last_access: float = 0.0  # wall-clock seconds

@@ -12,7 +12,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiers.record import Record, RecordHeader, RecordKey
+from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,11 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def footprint(self, record: Record) -> int:
         """Resident bytes `record` would take in this tier."""
+
+    def scanned_footprint(self, header: RecordHeader) -> int:
+        """Resident bytes of a record this tier's scan found, from its header alone (the store
+        indexes scanned records without their payloads). Default: the encoded size."""
+        return HEADER_SIZE + (header.stored_length or header.raw_length)
 
     @abc.abstractmethod
     async def scan(self) -> ScanResult:

@@ -991,6 +991,10 @@ class SSDTier(Tier):
             return HEADER_SIZE + len(record.payload)
         return len(encode_record(record, zstd_level=level))
 
+    def scanned_footprint(self, header: RecordHeader) -> int:
+        """Exact: a record's file is its header plus its stored payload (the scan checks)."""
+        return self._footprint_of(HEADER_SIZE + header.stored_length)
+
     def footprint(self, record: Record) -> int:
         """Block-rounded file size plus one index entry. For a zstd kind this compresses the
         payload to learn the size (costly; no kind is compressed by default)."""

@@ -40,6 +40,14 @@ def test_toml_then_env_overrides(tmp_path: Path) -> None:
     assert load_config(env={"STATESTORE_TOKENS": "a=12345678,b=87654321"}).tokens == {"a": "12345678", "b": "87654321"}
 
 
+def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[storage]\ncache_kinds = [\"OPAQUE\", 3]\n")
+    assert load_config(path, env={}).cache_kind_codes == {6, 3}
+    assert load_config(path, env={"STATESTORE_STORAGE_CACHE_KINDS": "swa_ring"}).cache_kind_codes == {3}
+    assert load_config(env={}).cache_kind_codes == frozenset()
+
+
 @pytest.mark.parametrize("text, env, message", [
     ("[server]\nlisten = \"0.0.0.0:7450\"\n", {}, "not a loopback address and no auth.tokens"),
     ("[server]\nlisten = \"nonsense\"\n", {}, "server.listen: 'nonsense' is not HOST:PORT"),
@@ -53,6 +61,9 @@ def test_toml_then_env_overrides(tmp_path: Path) -> None:
     ("not toml [", {}, "is not valid TOML"),
     ("", {"STATESTORE_SERVER_MAX_MESSAGE_BYTES": "12"}, "server.max_message_bytes: 12 outside"),
     ("", {"STATESTORE_TOKENS": "alice"}, "expected tenant=token"),
+    ("[storage]\ncache_kinds = [\"lmcache\"]\n", {}, "storage.cache_kinds: 'lmcache' is not a kind: one of"),
+    ("[storage]\ncache_kinds = \"opaque\"\n", {"STATESTORE_STORAGE_CACHE_KINDS": "0"}, "'0' is not a kind"),
+    ("[storage]\ncache_kinds = [1.5]\n", {}, "expected kind names or codes"),
 ])
 def test_invalid_settings_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
     path = tmp_path / "bad.toml"

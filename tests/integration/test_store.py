@@ -304,6 +304,65 @@ async def test_ssd_evictions_recycle_files_and_reserve_plus_residency_is_bytes_o
         assert got is not None and bytes(got.payload) == bytes(r.payload)
 
 
+async def test_after_a_restart_scanned_copies_cost_what_the_tier_holds(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    """Records indexed by the start-up scan are priced at the tier's real footprint: residency
+    equals the bytes on disk, and one eviction makes room for one record of the same size (an
+    estimate from the header alone evicted two, or none when only one was evictable)."""
+    root = tmp_path / "ssd"
+    probe = await open_ssd(tmp_path / "probe")
+    footprint = probe.footprint(rec(0))
+    await probe.aclose()
+    config = StoreConfig(cache_kinds=frozenset({KV}))  # scanned copies count as LOCAL: evictable as a cache
+    store = stores(ssd=await open_ssd(root, budget_bytes=3 * footprint), config=config)
+    recs = [rec(i) for i in range(4)]
+    for r in recs[:3]:
+        await store.put(r)
+    await store.aclose()
+    store = stores(ssd=await open_ssd(root, budget_bytes=3 * footprint), config=config)
+    await store.open()
+    entry = ssd_module().INDEX_ENTRY_BYTES
+    assert store.stats()[SSD].resident_bytes == ssd_bytes_on_disk(root, entry) == 3 * footprint
+    assert len((await store.put(recs[3])).evicted) == 1
+    assert len(store.keys()) == 3
+
+
+async def test_cache_kinds_evict_their_only_local_copy_other_kinds_stay_protected(
+        stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    """LOCAL puts into a full SSD: records of a cache kind (here OPAQUE, as LMCache chunks)
+    are evicted for room, LRU, even as the only durable copy; a LOCAL record of another kind
+    and a pinned cache record never are. After a restart (records indexed by the scan) the
+    rule still holds: the kind is in each record's header."""
+    root, size, opaque = tmp_path / "ssd", 150_000, 6
+    probe = await open_ssd(tmp_path / "probe")
+    footprint = probe.footprint(rec(0, size=size))
+    await probe.aclose()
+    config = StoreConfig(cache_kinds=frozenset({opaque}))
+    store = stores(ssd=await open_ssd(root, budget_bytes=3 * footprint), config=config)
+    kv, pinned, chunks = rec(1, size=size), rec(2, size=size, kind=opaque), [rec(i, size=size, kind=opaque)
+                                                                           for i in range(10, 14)]
+    await store.put(kv, Durability.LOCAL)
+    await store.put(pinned, Durability.LOCAL, pin=True)
+    await store.put(chunks[0], Durability.LOCAL)
+    for older, newer in zip(chunks, chunks[1:]):
+        assert (await store.put(newer, Durability.LOCAL)).evicted == ((older.key, SSD),)
+    assert sorted(store.keys()) == sorted([kv.key, pinned.key, chunks[-1].key])
+    assert (await store.put(rec(3, size=size), Durability.LOCAL)).evicted == ((chunks[-1].key, SSD),)
+    with pytest.raises(BudgetExceeded):  # kv, pinned and rec 3: nothing left that may be evicted
+        await store.put(rec(4, size=size), Durability.LOCAL)
+    assert store.meta(kv.key) is not None and store.meta(pinned.key) is not None
+    await store.aclose()
+    store = stores(ssd=await open_ssd(root, budget_bytes=3 * footprint), config=config)
+    await store.open()
+    store.pin(pinned.key)
+    keys = sorted(store.keys())
+    with pytest.raises(BudgetExceeded):  # after the restart: three protected records, nothing to evict
+        await store.put(rec(20, size=size, kind=opaque), Durability.LOCAL)
+    assert sorted(store.keys()) == keys
+    store.unpin(pinned.key)
+    assert (await store.put(rec(21, size=size, kind=opaque), Durability.LOCAL)).evicted == ((pinned.key, SSD),)
+
+
 async def test_pins_survive_budget_pressure(stores: Callable[..., TieredStore]) -> None:
     store = stores(host=host_tier(3))
     recs = [rec(i) for i in range(6)]
