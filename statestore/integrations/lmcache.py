@@ -20,6 +20,8 @@ The LMCache config a user writes (YAML; `LMCACHE_CONFIG_FILE=lmcache.yaml`)::
       remote_storage_plugin.statestore.token: "s3cret-tenant-token" # tenant bearer token (optional)
       remote_storage_plugin.statestore.namespace: "deepseek-v4.1"  # model namespace (optional)
       remote_storage_plugin.statestore.durability: local           # memory | local | shared
+      # and on the server: storage.cache_kinds = ["opaque"] with an ssd_budget_bytes, so that a
+      # full SSD evicts the least recently used chunks instead of refusing new ones
       remote_storage_plugin.statestore.timeout_s: 5.0              # data calls
       remote_storage_plugin.statestore.lookup_timeout_s: 0.5       # contains / prefix lookups
       remote_storage_plugin.statestore.frame_bytes: 1048576        # bytes per gRPC message: below the

@@ -39,9 +39,10 @@ def require_lmcache() -> None:
 class ServerProcess:
     """`statestore serve` in a child process; `start` again on the same data dir is a restart."""
 
-    def __init__(self, data_dir: Path, port: int = 0) -> None:
+    def __init__(self, data_dir: Path, port: int = 0, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.port = port
+        self.env = env or {}  # STATESTORE_* settings of this server
         self.proc: subprocess.Popen[str] | None = None
 
     @property
@@ -49,8 +50,8 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
-        self.proc, self.port = spawn_serve(self.data_dir, port=self.port, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                           cwd=ROOT)
+        self.proc, self.port = spawn_serve(self.data_dir, port=self.port,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, cwd=ROOT)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

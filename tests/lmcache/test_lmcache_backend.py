@@ -306,3 +306,37 @@ def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess) -> Non
         assert lm.connector._client is not None and not lm.connector._client.shm_active
     finally:
         lm.close()
+
+
+@pytest.mark.parametrize("cache_kinds", ["opaque", ""])
+def test_a_full_ssd_keeps_the_newest_chunks_when_opaque_is_a_cache_kind(tmp_path: Path, cache_kinds: str) -> None:
+    """`durability: local` into an SSD budget of four chunks, ten chunks put: with
+    `storage.cache_kinds = opaque` every put lands and the oldest chunks make room (LRU); without
+    it the chunks are the only durable copies, never evicted, and the puts past the budget fail
+    (LMCache sees dropped puts, no exception)."""
+    chunk_file = 262144 + 4096  # the record's file, block-rounded, plus an index entry's margin
+    env = {"STATESTORE_STORAGE_SSD_BUDGET_BYTES": str(4 * chunk_file + chunk_file // 2),
+           "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(chunk_file + chunk_file // 2),  # the host holds one
+           "STATESTORE_STORAGE_CACHE_KINDS": cache_kinds}
+    server = ServerProcess(tmp_path / "statestore", env=env).start()
+    lm = LMCacheHarness(make_lmcache_config(server.target, namespace="full"), make_lmcache_metadata())
+    try:
+        expect = lm.store(list(range(10 * 256)), seed=21)
+        keys = list(expect)
+        backend = lm.manager.storage_backends[lm.remote_name]
+        deadline = time.monotonic() + 60
+        while lm.connector.num_failures == 0 and not backend.contains(keys[-1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the puts are one batch: let it finish
+        held = [backend.contains(k) for k in keys]
+        if cache_kinds:
+            assert held == [False] * 6 + [True] * 4 and lm.connector.num_failures == 0
+            objs = on_loop(lm, lm.connector.batched_get(keys[-4:]))
+            assert [bytes(o.byte_array) for o in objs] == [expect[k] for k in keys[-4:]]
+            for o in objs:
+                o.ref_count_down()
+        else:
+            assert held == [True] * 4 + [False] * 6 and lm.connector.num_failures > 0
+    finally:
+        lm.close()
+        server.stop(signal.SIGKILL)
