@@ -26,7 +26,14 @@ put every chunk, one at a time, waiting for it to be stored; then get each):
 - `statestore-ssd-grpc`: the SSD path with the plugin's shared memory off (gRPC frames: what a
   client on another host gets);
 - `ref: ssd-tier-alone`: statestore's SSD tier in the bench process, the same bytes as records
-  (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine.
+  (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine;
+- `lmcache-disk-odirect-full` / `statestore-ssd-full`: the two as full caches, the steady state
+  of a cache in service. Each budget holds the warm-up and measured chunks and is filled with as
+  many other chunks first (untimed), so every timed put evicts one: LMCache removes the file of
+  its least recently used chunk inside the put and writes a new one; statestore (SSD budget,
+  `storage.cache_kinds = ["opaque"]`) evicts its least recently used chunk, whose file is
+  recycled for the new one (`tiers.ssd`). `fillers_left` counts the fill chunks still held
+  (both should have evicted all). Their ratios are printed and kept in the params, not floors.
 
 `restart_found` counts the chunks found again after a restart: a new LMCache StorageManager on the
 same disk directory (or the same Redis), or a statestore server killed with SIGKILL and started on
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -84,11 +92,12 @@ CHILD_TIMEOUT_S = 600
 class Server:
     """`statestore serve` in a child process (a sidecar, as deployed), on a loopback port."""
 
-    def __init__(self, data_dir: Path, *, host_budget_bytes: int, redis_prefix: str = "", port: int = 0) -> None:
+    def __init__(self, data_dir: Path, *, host_budget_bytes: int, redis_prefix: str = "", port: int = 0,
+                 settings: dict[str, str] | None = None) -> None:
         self.data_dir, self.port = data_dir, port
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
                     "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(host_budget_bytes),
-                    "STATESTORE_SERVER_MAX_STREAM_BYTES": str(1 << 30)}
+                    "STATESTORE_SERVER_MAX_STREAM_BYTES": str(1 << 30), **(settings or {})}
         if redis_prefix:
             self.env.update(STATESTORE_STORAGE_REDIS_URL=REDIS_URL, STATESTORE_STORAGE_REDIS_PREFIX=redis_prefix)
         self.start()
@@ -107,7 +116,7 @@ class Server:
 
 def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None = None, odirect: bool = False,
                  target: str = "", durability: str = "local", shm_bytes: int = 256 << 20,
-                 redis: bool = False) -> Any:
+                 redis: bool = False, disk_bytes: int = 0) -> Any:
     """LMCache's StorageManager from a config dict, as a user's YAML gives it."""
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.event_manager import EventManager
@@ -117,7 +126,9 @@ def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None
     doc: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": cpu_bytes / 1e9,
                            "remote_serde": "naive", "blocking_timeout_secs": 120, "extra_config": {}}
     if disk_dir is not None:
-        doc.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=cpu_bytes / 1e9)
+        # LMCache reads max_local_disk_size in GiB (x 1024**3); disk_bytes = 0: as large as the RAM tier
+        doc.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=(disk_bytes / 2**30) if disk_bytes
+                   else cpu_bytes / 1e9)
         doc["extra_config"]["use_odirect"] = odirect
     if redis:
         doc["remote_url"] = REDIS_URL
@@ -296,6 +307,61 @@ def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, 
     return rows
 
 
+def run_lmcache_full(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
+    """LMCache's O_DIRECT disk backend as a full cache: its budget holds the warm-up and measured
+    chunks, and it is filled with as many others first (untimed), so that every timed put evicts
+    one (LMCache removes its file inside the put call, then writes a new one)."""
+    model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
+    chunk_bytes = payloads[0].numel() * 2
+    disk = work / f"lmcache-full-{name}"
+    manager = make_manager(model, cpu_bytes_for(model, num_chunks), disk_dir=disk, odirect=True,
+                           disk_bytes=(num_chunks + 1) * chunk_bytes + chunk_bytes // 2)
+    try:
+        backend = manager.storage_backends["LocalDiskBackend"]
+        for key, payload in zip(make_keys(num_chunks + 1, 5), itertools.cycle(payloads)):
+            manager.batched_put([key], [fill(manager, model, payload)], location="LocalDiskBackend")
+            wait_until(lambda: backend.contains(key))
+        t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 6)
+        held = sum(backend.contains(k) for k in make_keys(num_chunks + 1, 5))
+    finally:
+        manager.close()
+    shutil.rmtree(disk, ignore_errors=True)
+    return t.row(name, "lmcache-disk-odirect-full", chunk_bytes, durable="no (no fsync)", restart_found=None,
+                 fillers_left=held)
+
+
+def run_statestore_full(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
+    """statestore's SSD path as a full cache (`storage.cache_kinds = ["opaque"]`): an SSD budget
+    of the warm-up and measured chunks, filled with as many others first (untimed), so that every
+    timed put evicts one; the evicted files are recycled for the next chunks (`tiers.ssd`)."""
+    model, payloads = MODELS[name], make_payloads(MODELS[name], num_chunks)
+    chunk_bytes = payloads[0].numel() * 2
+    per_chunk = chunk_bytes + 12288  # header, LMCache's key prefix, block rounding, the index entry
+    data_dir = work / f"statestore-full-{name}"
+    server = Server(data_dir, host_budget_bytes=16 << 20, settings={
+        "STATESTORE_STORAGE_SSD_BUDGET_BYTES": str((num_chunks + 1) * per_chunk + chunk_bytes // 2),
+        "STATESTORE_STORAGE_CACHE_KINDS": "opaque"})
+    manager = make_manager(model, cpu_bytes_for(model, num_chunks), target=server.target, durability="local")
+    try:
+        location = f"RemoteBackend-{PLUGIN}"
+        remote = manager.storage_backends[location]
+        connector = remote.connection._connector
+        fillers = make_keys(num_chunks + 1, 7)
+        for key, payload in zip(fillers, itertools.cycle(payloads)):
+            obj = fill(manager, model, payload)
+            remote.submit_put_task(key, obj).result(300)
+            obj.ref_count_down()
+        t, keys = run_remote(manager, model, payloads, location, 8)
+        assert connector.num_failures == 0, "statestore-ssd-full: the connector reported failures (see the log)"
+        held = sum(remote.contains(k) for k in fillers)
+    finally:
+        manager.close()
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    return t.row(name, "statestore-ssd-full", chunk_bytes, durable="fdatasync", restart_found=None,
+                 fillers_left=held, read_from="ssd")
+
+
 def evict_from(target: str, loop: asyncio.AbstractEventLoop, connector: Any,
                tiers: Sequence[str]) -> Callable[[list[Any]], None]:
     """Drop the chunks' copies in `tiers` on the server, so gets read the tier measured."""
@@ -458,10 +524,13 @@ def run_rounds(name: str, num_chunks: int, work: Path, rounds: int, only: Sequen
     machine is shared and its disk swings within minutes; the two sides of a floor measured back
     to back in both orders let order and drift cancel in the median of the rounds' ratios."""
     def lmcache_side() -> list[dict[str, Any]]:
-        return run_lmcache_paths(name, num_chunks, work) + run_lmcache_redis(name, num_chunks)
+        return run_lmcache_paths(name, num_chunks, work) + run_lmcache_redis(name, num_chunks) + \
+            [run_lmcache_full(name, num_chunks, work)]
 
     def statestore_side() -> list[dict[str, Any]]:
         rows = run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
+        if not only or "statestore-ssd-full" in only:
+            rows.append(run_statestore_full(name, num_chunks, work))
         return rows if only else rows + [run_ssd_tier_alone(name, num_chunks, work)]
 
     out: list[dict[str, Any]] = []
@@ -533,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     columns = ["model", "path", "round", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
                "get_p50_ms", "get_p99_ms", "first_put_ms", "first_get_ms", "durable", "restart_found", "bit_exact",
-               "stored_MiB", "read_from"]
+               "stored_MiB", "read_from", "fillers_left"]
     summary = median_rows(rows)
     if rounds > 1:
         print_table(rows, columns)
@@ -549,10 +618,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 label = f"{name}_{ours}_{op}_vs_{theirs}"
                 ratios[label] = round_ratios(rows, name, ours, theirs, op)
                 floors[label] = Floor(statistics.median(ratios[label]), 1.0)
+    full = {f"{name}_statestore-ssd-full_{op}_vs_lmcache-disk-odirect-full":
+            round_ratios(rows, name, "statestore-ssd-full", "lmcache-disk-odirect-full", op)
+            for name in models for op in ("put", "get")}
     if rounds > 1:
         print("\nRatios per round (the floor is their median):")
         for label, values in ratios.items():
             print(f"  {label}: " + " ".join(f"{v:.2f}" for v in values))
+    print("\nFull caches, every put evicting (no floor; median of the rounds' ratios):")
+    for label, values in full.items():
+        print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
     print_floors(floors)
     from importlib import metadata
 
@@ -560,6 +635,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "chunks_per_model": num_chunks, "rounds": rounds, "chunk_tokens": CHUNK_TOKENS,
         "models": {m: MODELS[m] for m in models}, "lmcache": metadata.version("lmcache"), "quick": args.quick,
         "ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in ratios.items()},
+        "full_cache_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in full.items()},
         "seconds": round(time.monotonic() - started, 1)})
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")
 
