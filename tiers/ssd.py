@@ -644,9 +644,9 @@ class _SpareScan:
 
 def _scan_spares(layout: SSDLayout) -> _SpareScan:
     """Worker thread, before the fan-out walk: an empty spare is a spare, one whose header
-    block is zero a recycled spare; one holding a whole record is an acknowledged (or
-    finished) put whose rename did not reach the disk, renamed to its final name now;
-    anything else is torn (quarantined). Ends with one fsync of the spares directory, so the
+    block is zero a recycled spare; one holding a whole record (header, size and payload
+    checksum) is an acknowledged (or finished) put whose rename did not reach the disk,
+    renamed to its final name now; anything else is torn (quarantined). Ends with one fsync of the spares directory, so the
     names of the spares it hands back are durable."""
     out = _SpareScan()
     spares = layout.spares_dir
@@ -679,6 +679,9 @@ def _scan_spare(layout: SSDLayout, path: Path, out: _SpareScan, moved_into: set[
             out.recycled.append((str(path), st.st_size))
             return ""
         header, _ = _fs.read_header(path)
+        # The payload too (spares holding records are crash leftovers: few): a put torn inside a
+        # recycled spare can leave a new header over old payload bytes at the old file's size.
+        decode_record(path.read_bytes(), expect_key=header.key)
     except RecordError as exc:
         return str(exc)
     except OSError as exc:

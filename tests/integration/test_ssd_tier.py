@@ -696,6 +696,59 @@ def test_sigkill_mid_stream_loses_no_acknowledged_record(tmp_path: Path) -> None
     asyncio.run(check())
 
 
+@pytest.mark.subprocess
+@pytest.mark.timeout(60)
+def test_sigkill_while_records_are_deleted_and_recycled(tmp_path: Path) -> None:
+    """A SIGKILL in a stream of puts and deletes (a full cache: each put followed by the delete
+    of the record put 8 before, whose file, when large, becomes a recycled spare that a later put
+    writes over). After a restart: every acknowledged put not deleted is served bit-exactly; a
+    large record whose delete was acknowledged never comes back (its header was zeroed durably
+    before its file could be reused); whatever is indexed is whole."""
+    sys.path.insert(0, str(CHILD.parent))
+    from ssd_writer_child import child_block_key, child_record
+
+    root, num_records, kill_after, churn = tmp_path / "ssd", 2000, 80, 8
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(num_records), "4", str(churn)],
+                            stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        while sum(1 for line in lines if line.startswith("D ")) < kill_after:
+            line = proc.stdout.readline()
+            assert line, f"child exited early with {proc.wait()}"
+            lines.append(line.strip())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        lines += proc.stdout.read().splitlines()  # acks already in the pipe
+    finally:
+        proc.kill()
+        proc.wait()
+    acked = {int(x) for x in lines if x.isdigit()}
+    asked_deleted = {int(x[2:]) for x in lines if x.startswith("d ")}
+    deleted = {int(x[2:]) for x in lines if x.startswith("D ")}
+    large = {i for i in deleted if len(child_record(i).payload) >= 128 << 10}
+    assert len(acked) < num_records and large
+
+    async def check() -> None:
+        tier = await SSDTier.create(root)
+        try:
+            scan = tier.last_scan
+            assert scan is not None
+            for i in acked - asked_deleted:
+                assert_same(await tier.get(child_record(i).key), child_record(i), same_time=False)
+            for i in large:
+                assert await tier.get(child_record(i).key) is None, f"deleted record {i} came back"
+            index_of = {child_block_key(i): i for i in range(num_records)}
+            for header in scan.headers:  # anything else indexed (a small delete lost, a put not acked) is whole
+                assert_same(await tier.get(header.key), child_record(index_of[header.block_key]), same_time=False)
+            assert all(line.endswith("(quarantined)") or line.endswith("(removed)") for line in scan.discarded)
+            assert tier.usage().reserve_bytes > 0  # recycled spares survived as such
+        finally:
+            await tier.aclose()
+
+    asyncio.run(check())
+
+
 def _fs_dirs(tmp_path: Path) -> list[Path]:
     """The test's own directory, and a tmpfs one where the machine has /dev/shm (O_DIRECT is
     refused there by older kernels: the buffered fallback)."""
@@ -1076,7 +1129,8 @@ async def test_a_recycled_spare_never_brings_its_record_back_and_is_reused_after
 async def test_a_whole_record_in_a_recycled_spare_is_recovered_at_scan(tmp_path: Path) -> None:
     """A put into a recycled spare that was fdatasynced but whose rename did not reach the
     disk (acknowledged): the scan moves it to its name. One torn before its header block was
-    written stays a recycled spare; one torn after it fails its checksum at the first get."""
+    written stays a recycled spare; one torn after it (a new header over old payload bytes, at
+    the old file's size) fails its payload checksum at the scan and is quarantined."""
     tier = await SSDTier.create(tmp_path / "ssd")
     size = 300_000
     victims = [rec(i, size) for i in range(3)]
@@ -1097,11 +1151,13 @@ async def test_a_whole_record_in_a_recycled_spare_is_recovered_at_scan(tmp_path:
         f.write(encode_record(torn_late)[:100_000])
     tier = await SSDTier.create(tmp_path / "ssd")
     try:
-        assert tier.last_scan.discarded == []
-        assert sorted(h.key for h in tier.last_scan.headers) == sorted([acknowledged.key, torn_late.key])
+        assert [line.split(": ", 1)[0] for line in tier.last_scan.discarded] == [
+            str(Path(spares[2]).relative_to(tier._layout.root))]
+        assert "checksum" in tier.last_scan.discarded[0] and tier.last_scan.discarded[0].endswith("(quarantined)")
+        assert [h.key for h in tier.last_scan.headers] == [acknowledged.key]
         assert_same(await tier.get(acknowledged.key), acknowledged)
-        assert await tier.get(torn_late.key) is None  # checksum: quarantined, never served
-        assert list((tier._layout.root / "quarantine").iterdir())
+        assert await tier.get(torn_late.key) is None
+        assert len(list((tier._layout.root / "quarantine").iterdir())) == 1
         assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + size, 4096)
     finally:
         await tier.aclose()
