@@ -314,7 +314,7 @@ class TieredStore:
         created = header.created_at_ns / 1e9
         meta = self._index.get(header.key) or StateMeta(
             header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
-            acked=True, cache=header.kind in self._config.cache_kinds, created=created, last_access=created,
+            acked=True, cache=self._is_cache(header.kind), created=created, last_access=created,
             model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id,
             token_start=header.token_start, token_end=header.token_end)
         # Scans give headers, not payloads: the tier prices the copy from its header (an estimate
@@ -385,7 +385,7 @@ class TieredStore:
         h = record.header
         if prev is None:
             return StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind), durability=durability,
-                             cache=h.kind in self._config.cache_kinds,
+                             cache=self._is_cache(h.kind),
                              created=now, last_access=now, hints=hints, model_fingerprint=h.model_fingerprint,
                              tenant_id=h.tenant_id, token_start=h.token_start, token_end=h.token_end)
         return prev.evolve(acked=False, durability=max(durability, prev.durability), last_access=now,
@@ -658,7 +658,7 @@ class TieredStore:
         """Index a record another node wrote to a shared tier."""
         h = record.header
         meta = StateMeta(record.key, h.kind, record.nbytes, self._retention(h.kind),
-                         durability=TIER_DURABILITY[source], acked=True, cache=h.kind in self._config.cache_kinds,
+                         durability=TIER_DURABILITY[source], acked=True, cache=self._is_cache(h.kind),
                          created=h.created_at_ns / 1e9,
                          model_fingerprint=h.model_fingerprint, tenant_id=h.tenant_id,
                          token_start=h.token_start, token_end=h.token_end)
@@ -813,6 +813,10 @@ class TieredStore:
 
     def _retention(self, kind: int) -> Retention:
         return self._config.retention_by_kind.get(kind, Retention.MUST_KEEP)
+
+    def _is_cache(self, kind: int) -> bool:
+        """Whether records of `kind` are a cache (`StoreConfig.cache_kinds`)."""
+        return kind in self._config.cache_kinds
 
     def _set_meta(self, meta: StateMeta, costs: Mapping[TierName, TierCost] | None = None) -> None:
         """Store the entry and refresh its eviction-queue membership in every tier (`costs`: the

@@ -1050,6 +1050,19 @@ class SSDTier(Tier):
         self._reserved_bytes += need
         return True
 
+    def _reserve_put(self, key: RecordKey, new_key: bool, file_bytes: int, need: int, *,
+                     refill: bool = True) -> tuple[bool, str | None]:
+        """Reserve the budget for a put (`_try_reserve`) and pick a new key's spare: a recycled
+        file as large in blocks (its bytes become the record's: claimed before the budget is
+        checked), else an empty one. (False, None): it does not fit, nothing is claimed."""
+        reuse = self._recycled.claim(file_bytes) if new_key else None
+        if not self._try_reserve(need, self._index.get(key)):
+            if reuse is not None:
+                self._recycled.unclaim(reuse, file_bytes)
+            logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
+            return False, None
+        return True, reuse if reuse is not None else self._claim_spare(refill) if new_key else None
+
     def _unlink_recycled(self, paths: Sequence[str]) -> None:
         """In the background: the budget no longer counts them, and a crash before the
         unlinks only leaves recycled spares, which the next scan trims to the limit."""
@@ -1108,13 +1121,9 @@ class SSDTier(Tier):
         file_bytes = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
         need = self._footprint_of(file_bytes)
         new_key = key not in self._index
-        reuse = self._recycled.claim(file_bytes) if new_key else None  # its bytes become the record's
-        if not self._try_reserve(need, self._index.get(key)):
-            if reuse is not None:
-                self._recycled.unclaim(reuse, file_bytes)
-            logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
+        reserved, spare = self._reserve_put(key, new_key, file_bytes, need)
+        if not reserved:
             return False
-        spare = reuse if reuse is not None else self._claim_spare() if new_key else None
         try:
             header = await self._run(self._write_record, record, encoded, new_key, spare, staged)
         except OSError as exc:
@@ -1349,14 +1358,9 @@ class SSDTier(Tier):
             file_bytes = HEADER_SIZE + len(record.payload)
             need = self._footprint_of(file_bytes)
             new_key = record.key not in self._index
-            reuse = self._recycled.claim(file_bytes) if new_key else None
-            if not self._try_reserve(need, self._index.get(record.key)):
-                if reuse is not None:
-                    self._recycled.unclaim(reuse, file_bytes)
-                logger.debug("ssd put refused: %d bytes do not fit the budget of %d", need, self._budget_bytes)
-                continue
-            spare = reuse if reuse is not None else self._claim_spare(refill=False) if new_key else None
-            plan.append((i, record, need, new_key, spare))
+            reserved, spare = self._reserve_put(record.key, new_key, file_bytes, need, refill=False)
+            if reserved:
+                plan.append((i, record, need, new_key, spare))
         shares = [plan[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(plan)))]
         try:
             results = await asyncio.gather(*(
