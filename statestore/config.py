@@ -15,6 +15,7 @@ TOML layout (every key optional)::
     [metrics]  port = 9464   addr = "127.0.0.1"                        # port 0 = no endpoint
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
+               ssd_recycle_bytes = -1  # deleted records' files kept for reuse: -1 automatic, 0 none
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
                policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
                profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
@@ -91,6 +92,9 @@ class ServiceConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     host_budget_bytes: int = 1 << 30
     ssd_budget_bytes: int = 0  # 0 = unbounded
+    # Deleted records' files kept for reuse (`tiers.ssd` recycled spares); -1 = automatic
+    # (256 MiB, at most a quarter of the budget, none on copy-on-write file systems), 0 = none.
+    ssd_recycle_bytes: int = -1
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
     # Kinds whose records are a cache (names or codes, e.g. "opaque" for LMCache chunks): their
@@ -131,6 +135,8 @@ class ServiceConfig:
         _check(0 <= self.metrics_port <= 65535, "metrics.port", f"{self.metrics_port} outside 0..65535")
         _check(self.host_budget_bytes > 0, "storage.host_budget_bytes", f"{self.host_budget_bytes} <= 0")
         _check(self.ssd_budget_bytes >= 0, "storage.ssd_budget_bytes", f"{self.ssd_budget_bytes} < 0")
+        _check(self.ssd_recycle_bytes >= -1, "storage.ssd_recycle_bytes",
+               f"{self.ssd_recycle_bytes} < -1 (-1: automatic, 0: none)")
         _check(self.redis_url == "" or self.redis_url.startswith(("redis://", "rediss://", "redis+cluster://")),
                "storage.redis_url", f"{self.redis_url!r} is not a redis:// URL")
         _check(self.policy in POLICIES, "storage.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -224,6 +230,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "data_dir"): "data_dir",
     ("storage", "host_budget_bytes"): "host_budget_bytes",
     ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
+    ("storage", "ssd_recycle_bytes"): "ssd_recycle_bytes",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
     ("storage", "cache_kinds"): "cache_kinds",

@@ -575,6 +575,31 @@ def recycle(path: str | Path, spare: str | Path) -> int:
     return size
 
 
+# File systems that never overwrite a block in place: writing into a recycled file allocates new
+# blocks there as writing a new file does, so recycling would only add its header write and syncs.
+COPY_ON_WRITE_FILE_SYSTEMS = frozenset({"btrfs", "zfs", "bcachefs"})
+
+
+def file_system_type(path: str | Path, mounts: str = "/proc/self/mounts") -> str:
+    """The type of the file system `path` lies on (the longest mount point above it in
+    `mounts`), or "" where that cannot be read (no /proc: not Linux)."""
+    target = os.path.realpath(path)
+    best, kind = -1, ""
+    try:
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > best:
+                    best, kind = len(point), fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
 def is_recycled_spare(path: str | Path) -> bool:
     """Whether a non-empty spare is a recycled one (`recycle`: its header block is zero)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

@@ -779,9 +779,10 @@ class SSDTier(Tier):
             directory fsync, `_fs.write_new`).
         recycle_bytes: disk bytes kept as recycled spares, the files of deleted records for
             new records of as many blocks (`tiers._fs.recycle`; 0: none, deleted files are
-            unlinked). None: DEFAULT_RECYCLE_BYTES, at most a quarter of the budget. Only
-            O_DIRECT-sized records are recycled; the bytes count against the budget and are
-            unlinked first when a put needs the room.
+            unlinked). None: DEFAULT_RECYCLE_BYTES, at most a quarter of the budget, and 0 on
+            a copy-on-write file system (btrfs, ZFS, bcachefs: an overwrite allocates new
+            blocks there anyway). Only O_DIRECT-sized records are recycled; the bytes count
+            against the budget and are unlinked first when a put needs the room.
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
     directory and scans it.
@@ -799,10 +800,11 @@ class SSDTier(Tier):
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if spare_files < 0:
             raise ValueError(f"spare_files must be >= 0, got {spare_files}")
+        if recycle_bytes is not None and recycle_bytes < 0:
+            raise ValueError(f"recycle_bytes must be >= 0, got {recycle_bytes}")
+        self._recycle_auto = recycle_bytes is None  # decided in open(), once the file system is known
         if recycle_bytes is None:
             recycle_bytes = min(DEFAULT_RECYCLE_BYTES, budget_bytes // 4) if budget_bytes else DEFAULT_RECYCLE_BYTES
-        if recycle_bytes < 0:
-            raise ValueError(f"recycle_bytes must be >= 0, got {recycle_bytes}")
         self._layout = SSDLayout(Path(root))
         self._budget_bytes = budget_bytes
         self._zstd_kinds = dict(zstd_kinds or {})
@@ -895,6 +897,8 @@ class SSDTier(Tier):
             _fs.fsync_dir(root)
         self._block_bytes = os.stat(root).st_blksize or 4096
         self._recycled.block_bytes = self._block_bytes
+        if self._recycle_auto and _fs.file_system_type(root) in _fs.COPY_ON_WRITE_FILE_SYSTEMS:
+            self._recycled.limit_bytes = 0
         return fd
 
     async def aclose(self) -> None:

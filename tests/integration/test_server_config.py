@@ -64,6 +64,7 @@ def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     ("[storage]\ncache_kinds = [\"lmcache\"]\n", {}, "storage.cache_kinds: 'lmcache' is not a kind: one of"),
     ("[storage]\ncache_kinds = \"opaque\"\n", {"STATESTORE_STORAGE_CACHE_KINDS": "0"}, "'0' is not a kind"),
     ("[storage]\ncache_kinds = [1.5]\n", {}, "expected kind names or codes"),
+    ("", {"STATESTORE_STORAGE_SSD_RECYCLE_BYTES": "-2"}, "storage.ssd_recycle_bytes: -2 < -1"),
 ])
 def test_invalid_settings_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
     path = tmp_path / "bad.toml"

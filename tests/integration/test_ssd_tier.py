@@ -1204,3 +1204,33 @@ async def test_what_is_not_recycled_is_unlinked(tmp_path: Path, recycle_bytes: i
         assert files_under(tier._layout.root) == []
     finally:
         await tier.aclose()
+
+
+def test_file_system_type_is_the_longest_mount_point_above_the_path(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\n"
+                      "none /data btrfs rw 0 0\n"
+                      "none /data/my\\040disk xfs rw 0 0\n"
+                      "short\n")
+    assert _fs.file_system_type("/data/x", str(mounts)) == "btrfs"
+    assert _fs.file_system_type("/data/my disk/y", str(mounts)) == "xfs"
+    assert _fs.file_system_type("/database", str(mounts)) == "ext4"  # /data is not a prefix of it
+    assert _fs.file_system_type("/data", str(mounts)) == "btrfs"
+    assert _fs.file_system_type("/x", str(tmp_path / "missing")) == ""
+    assert _fs.file_system_type(tmp_path) != ""  # this machine's /proc/self/mounts
+
+
+@pytest.mark.parametrize("recycle_bytes, kept", [(None, False), (1 << 20, True)])
+async def test_no_recycling_by_default_on_a_copy_on_write_file_system(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recycle_bytes: int | None, kept: bool) -> None:
+    """On btrfs, ZFS or bcachefs an overwrite allocates new blocks anyway: by default a deleted
+    record's file is unlinked there; a recycle_bytes given explicitly is honoured."""
+    monkeypatch.setattr(_fs, "file_system_type", lambda path, mounts="/proc/self/mounts": "btrfs")
+    tier = await SSDTier.create(tmp_path / "ssd", recycle_bytes=recycle_bytes)
+    try:
+        r = rec(1, 300_000)
+        assert await tier.put(r) and await tier.delete(r.key)
+        assert (tier.usage().reserve_bytes > 0) is kept
+        assert (files_under(tier._layout.root) != []) is kept
+    finally:
+        await tier.aclose()
