@@ -36,13 +36,13 @@ A spare may also be a recycled one (`recycle`): the file of a dropped record, it
 zeroed and fdatasynced before it was renamed into the spares directory, its size and data
 blocks kept. Only a record whose file takes as many blocks claims it, so step 2 overwrites
 blocks that are allocated and written (and truncates to the record's size, within the last
-block). On the development VM (ext4
-on a virtio disk) an O_DIRECT write plus fdatasync into such a file took 0.35 / 0.65 / 1.73 /
-12.5 ms at 256 KiB / 1 / 4 / 32 MiB, against 0.47 / 0.93 / 2.46 / 17.3 ms into an empty
-spare, which allocates its blocks (and, on a thin-provisioned disk, makes the host allocate
-them). A crash in the middle of step 2 leaves a recycled spare (header still zero), or a
-whole-looking record whose payload checksum fails at its first `get` (quarantined, never
-served).
+block). On the development VM (ext4 on a virtio disk) an O_DIRECT write plus fdatasync into
+such a file took 0.35 / 0.65 / 1.73 / 12.5 ms at 256 KiB / 1 / 4 / 32 MiB, against 0.47 /
+0.93 / 2.46 / 17.3 ms into an empty spare, which allocates its blocks (and, on a
+thin-provisioned disk, makes the host allocate them). A crash in the middle of step 2 leaves a
+recycled spare (header still zero), or a new header over old payload bytes at the old file's
+size, whose payload checksum the scan verifies for every spare holding a record: quarantined,
+never served.
 
 New key without a spare (`write_new`: the pool is empty, or disabled), the data commit
 plus the directory fsync::
