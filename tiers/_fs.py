@@ -163,19 +163,30 @@ def map_io_buffer(nbytes: int) -> memoryview:
     which `madvise(MADV_HUGEPAGE)` does not turn into huge pages. Where huge pages are not
     available the buffer is an ordinary page-aligned map, as before.
     """
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if nbytes <= SMALL_IO_BUFFER_BYTES:
-        size = round_up(max(nbytes, 1), ALIGN)
-        return memoryview(mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size))
+        return memoryview(private_map(round_up(max(nbytes, 1), ALIGN)))
     size = round_up(nbytes, HUGE_PAGE)
-    whole = mmap.mmap(-1, size + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE)
+    whole = private_map(size + HUGE_PAGE)
     start = -_address_of(whole) % HUGE_PAGE
+    advise_huge_pages(whole, start, size)
+    return memoryview(whole)[start: start + size]
+
+
+def private_map(nbytes: int) -> mmap.mmap:
+    """A private anonymous map of `nbytes`: one that transparent huge pages can back (a shared
+    anonymous map, `mmap.mmap(-1, n)`'s default, is shmem)."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    return mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+
+
+def advise_huge_pages(buf: mmap.mmap, start: int = 0, length: int = 0) -> None:
+    """Ask for transparent huge pages behind `buf[start:start + length]` (0: to the end); a
+    kernel without them keeps ordinary pages."""
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            whole.madvise(mmap.MADV_HUGEPAGE, start, size)
-        except OSError:  # a kernel without THP: ordinary pages
+            buf.madvise(mmap.MADV_HUGEPAGE, start, length or len(buf) - start)
+        except OSError:
             pass
-    return memoryview(whole)[start: start + size]
 
 
 def _address_of(buf: mmap.mmap) -> int:

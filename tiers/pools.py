@@ -40,6 +40,7 @@ import mmap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tiers._fs import advise_huge_pages, private_map
 from tiers.base import KindUsage
 from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES
 
@@ -111,13 +112,9 @@ def map_slab(nbytes: int) -> mmap.mmap:
     is `never` on most kernels). Copies of large records in and out of 4 KiB pages pay a TLB
     miss every 4 KiB: 1 MiB copied out of cache into rotating slab memory on the development
     VM took 75 us into 4 KiB pages and 53 us into huge pages."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    buf = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
-    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: ordinary pages
-            pass
+    buf = private_map(nbytes)
+    if nbytes >= HUGE_PAGE_BYTES:
+        advise_huge_pages(buf)
     return buf
 
 
