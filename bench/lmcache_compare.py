@@ -225,18 +225,33 @@ class Timings:
                 "bit_exact": self.exact, **extra}
 
 
+def put_local(manager: Any, model: dict[str, Any], location: str, key: Any, payload: torch.Tensor) -> float:
+    """One chunk into LMCache's own backend at `location`, until it holds it; seconds taken."""
+    backend = manager.storage_backends[location]
+    obj = fill(manager, model, payload)
+    t0 = time.perf_counter()
+    manager.batched_put([key], [obj], location=location)
+    wait_until(lambda: backend.contains(key))
+    return time.perf_counter() - t0  # the backend took our reference (CPU: keeps the object)
+
+
+def put_remote(manager: Any, model: dict[str, Any], location: str, key: Any, payload: torch.Tensor) -> float:
+    """One chunk through a RemoteBackend, waiting for its future; seconds taken."""
+    obj = fill(manager, model, payload)
+    t0 = time.perf_counter()
+    manager.storage_backends[location].submit_put_task(key, obj).result(300)
+    took = time.perf_counter() - t0
+    obj.ref_count_down()
+    return took
+
+
 def run_local(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str,
               salt: int) -> tuple[Timings, list[Any]]:
     """LMCache's own LocalCPUBackend or LocalDiskBackend: put (until contained), then get."""
-    backend = manager.storage_backends[location]
     t = Timings()
 
     def put(key: Any, payload: torch.Tensor) -> float:
-        obj = fill(manager, model, payload)
-        t0 = time.perf_counter()
-        manager.batched_put([key], [obj], location=location)
-        wait_until(lambda: backend.contains(key))
-        return time.perf_counter() - t0  # the backend took our reference (CPU: keeps the object)
+        return put_local(manager, model, location, key, payload)
 
     def get(key: Any, payload: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -255,12 +270,7 @@ def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Ten
     t = Timings()
 
     def put(key: Any, payload: torch.Tensor) -> float:
-        obj = fill(manager, model, payload)
-        t0 = time.perf_counter()
-        remote.submit_put_task(key, obj).result(300)
-        took = time.perf_counter() - t0
-        obj.ref_count_down()
-        return took
+        return put_remote(manager, model, location, key, payload)
 
     def get(key: Any, payload: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -317,12 +327,11 @@ def run_lmcache_full(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
     manager = make_manager(model, cpu_bytes_for(model, num_chunks), disk_dir=disk, odirect=True,
                            disk_bytes=(num_chunks + 1) * chunk_bytes + chunk_bytes // 2)
     try:
-        backend = manager.storage_backends["LocalDiskBackend"]
-        for key, payload in zip(make_keys(num_chunks + 1, 5), itertools.cycle(payloads)):
-            manager.batched_put([key], [fill(manager, model, payload)], location="LocalDiskBackend")
-            wait_until(lambda: backend.contains(key))
+        fillers = make_keys(num_chunks + 1, 5)
+        for key, payload in zip(fillers, itertools.cycle(payloads)):
+            put_local(manager, model, "LocalDiskBackend", key, payload)
         t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 6)
-        held = sum(backend.contains(k) for k in make_keys(num_chunks + 1, 5))
+        held = sum(manager.storage_backends["LocalDiskBackend"].contains(k) for k in fillers)
     finally:
         manager.close()
     shutil.rmtree(disk, ignore_errors=True)
@@ -348,9 +357,7 @@ def run_statestore_full(name: str, num_chunks: int, work: Path) -> dict[str, Any
         connector = remote.connection._connector
         fillers = make_keys(num_chunks + 1, 7)
         for key, payload in zip(fillers, itertools.cycle(payloads)):
-            obj = fill(manager, model, payload)
-            remote.submit_put_task(key, obj).result(300)
-            obj.ref_count_down()
+            put_remote(manager, model, location, key, payload)
         t, keys = run_remote(manager, model, payloads, location, 8)
         assert connector.num_failures == 0, "statestore-ssd-full: the connector reported failures (see the log)"
         held = sum(remote.contains(k) for k in fillers)
