@@ -429,6 +429,10 @@ class _RecyclePool:
         """An admitted file that did not become a spare."""
         self.held_bytes -= self.footprint(size)
 
+    def resize(self, admitted: int, actual: int) -> None:
+        """An admitted file turned out to be `actual` bytes long, not `admitted`."""
+        self.held_bytes += self.footprint(actual) - self.footprint(admitted)
+
     def claim(self, size: int) -> str | None:
         """A spare for a file of `size` bytes: one that takes as many blocks, or None."""
         rounded = self.footprint(size)
@@ -1323,8 +1327,7 @@ class SSDTier(Tier):
             logger.warning("ssd file %s not recycled (%s): unlinked instead", path, exc)
             return False
         if size != file_bytes:  # the index was wrong about it: a spare of its real size
-            self._recycled.abandon(file_bytes)
-            self._recycled.held_bytes += self._recycled.footprint(size)
+            self._recycled.resize(file_bytes, size)
         self._recycled.promote([(spare, size)])
         return True
 

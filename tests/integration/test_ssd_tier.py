@@ -1073,7 +1073,7 @@ async def test_a_large_put_refused_o_direct_midway_is_written_buffered(tier: SSD
 # ----- recycled spares ---------------------------------------------------------------------------
 
 
-async def recycled_ready(tier: SSDTier, count: int) -> None:
+def assert_recycled(tier: SSDTier, count: int) -> None:
     """`count` recycled spares are claimable as soon as the deletes return."""
     assert sum(len(p) for p in tier._recycled.ready.values()) == count, tier._recycled
 
@@ -1086,7 +1086,7 @@ async def test_a_deleted_records_file_is_overwritten_by_the_next_record_of_its_s
     assert await tier.put(first)
     inode = record_path(tier._layout.root, first).stat().st_ino
     assert await tier.delete(first.key)
-    await recycled_ready(tier, 1)
+    assert_recycled(tier, 1)
     assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + 300_000, 4096)
     assert await tier.get(first.key) is None
     assert await tier.put(other_size)
@@ -1137,7 +1137,7 @@ async def test_a_whole_record_in_a_recycled_spare_is_recovered_at_scan(tmp_path:
     assert all([await tier.put(r) for r in victims])
     for r in victims:
         assert await tier.delete(r.key)
-    await recycled_ready(tier, 3)
+    assert_recycled(tier, 3)
     spares = sorted(p for paths in tier._recycled.ready.values() for p in paths)
     await tier.aclose()
     acknowledged, torn_late = rec(10, size), rec(11, size)
@@ -1174,7 +1174,7 @@ async def test_recycled_spares_count_against_the_budget_and_give_way_to_a_put(tm
         assert all([await tier.put(r) for r in kept])
         for r in kept[:2]:
             assert await tier.delete(r.key)
-        await recycled_ready(tier, 2)
+        assert_recycled(tier, 2)
         usage = tier.usage()
         assert usage.reserve_bytes == 2 * _fs.round_up(HEADER_SIZE + size, 4096)
         assert usage.resident_bytes + usage.reserve_bytes <= 3 * footprint + 4096
