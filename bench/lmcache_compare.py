@@ -25,6 +25,9 @@ put every chunk, one at a time, waiting for it to be stored; then get each):
   shared memory (statestore/shm.py);
 - `statestore-ssd-grpc`: the SSD path with the plugin's shared memory off (gRPC frames: what a
   client on another host gets);
+- every LMCache StorageManager here (both sides) keeps its CPU buffer in /dev/shm (`shm_name`,
+  one name per manager), as the plugin's documented config does: the plugin lends that buffer
+  to the server, so chunks are not copied in the plugin (statestore/shm.py, "Lent memory");
 - `ref: ssd-tier-alone`: statestore's SSD tier in the bench process, the same bytes as records
   (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine;
 - `lmcache-disk-odirect-full` / `statestore-ssd-full`: the two as full caches, the steady state
@@ -89,6 +92,9 @@ REDIS_URL = "redis://127.0.0.1:6379"
 CHILD_TIMEOUT_S = 600
 
 
+_SHM_NAMES = itertools.count()  # LMCache's CPU buffer in /dev/shm, one name per StorageManager
+
+
 class Server:
     """`statestore serve` in a child process (a sidecar, as deployed), on a loopback port."""
 
@@ -124,7 +130,8 @@ def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     doc: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": cpu_bytes / 1e9,
-                           "remote_serde": "naive", "blocking_timeout_secs": 120, "extra_config": {}}
+                           "remote_serde": "naive", "blocking_timeout_secs": 120,
+                           "extra_config": {"shm_name": f"statestore-bench-{os.getpid()}-{next(_SHM_NAMES)}"}}
     if disk_dir is not None:
         # LMCache reads max_local_disk_size in GiB (x 1024**3); disk_bytes = 0: as large as the RAM tier
         doc.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=(disk_bytes / 2**30) if disk_bytes

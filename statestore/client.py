@@ -401,6 +401,18 @@ class StateStoreClient:
         """Whether payloads move through the shared-memory region (known after the first call)."""
         return self._transport is not None and self._transport.shm_active
 
+    def lend_shared_memory(self, path: str) -> None:
+        """Lend the server a shared-memory file of this process (under /dev/shm) that holds the
+        caller's buffers, so that `LentSpan` parts of `put_payloads` (and a sink's lent
+        destinations) move with no copy through the window (statestore/shm.py, "Lent memory").
+        OSError or ShmUnavailable if it cannot be opened; unused without shared memory."""
+        self._payloads().lend(path)
+
+    @property
+    def lent_active(self) -> bool:
+        """Whether lent memory is in use (the shared-memory path is up and the server took it)."""
+        return self._transport is not None and self._transport.lent_active
+
     async def put_payloads(self, items: Sequence[PayloadPut], durability: Durability = Durability.MEMORY, *,
                            pin: bool = False) -> list[PutInfo]:
         """Store records given as a header and payload buffers (no `Record` built), in one call;
@@ -539,17 +551,23 @@ def _name(method: Any) -> str:
 _LOOKUP_KEYS = 65536  # the server's key limit per Lookup
 
 
-def _get_request(keys: Sequence[bytes], chunk_bytes: int) -> statestore_pb2.GetRecordsRequest:
-    return statestore_pb2.GetRecordsRequest(keys=list(keys), chunk_bytes=chunk_bytes)
+def _get_request(keys: Sequence[bytes], chunk_bytes: int,
+                 lent: Sequence[tuple[int, int, int]] = ()) -> statestore_pb2.GetRecordsRequest:
+    """`lent`: per key (total_bytes, offset, bytes) of a lent destination, all zero for none."""
+    return statestore_pb2.GetRecordsRequest(
+        keys=list(keys), chunk_bytes=chunk_bytes,
+        lent=[common_pb2.LentDestination(total_bytes=t, offset=o, bytes=n) for t, o, n in lent])
 
 
 class _Frames:
     """The protobuf side of `PayloadTransport`'s streams."""
 
     @staticmethod
-    def start_frame(key: bytes, total_bytes: int, durability: int, pin: bool) -> bytes:
+    def start_frame(key: bytes, total_bytes: int, durability: int, pin: bool, lent_offset: int = 0,
+                    lent_bytes: int = 0) -> bytes:
         return common_pb2.RecordChunk(start=common_pb2.RecordStart(
-            key=key, total_bytes=total_bytes, durability=durability, pin=pin)).SerializeToString()
+            key=key, total_bytes=total_bytes, durability=durability, pin=pin, lent_offset=lent_offset,
+            lent_bytes=lent_bytes)).SerializeToString()
 
     @staticmethod
     def read_frame(frame: bytes) -> memoryview | StartInfo:
@@ -559,7 +577,8 @@ class _Frames:
         chunk = common_pb2.RecordChunk.FromString(frame)
         if chunk.WhichOneof("part") == "data":
             return memoryview(chunk.data)
-        return StartInfo(bytes(chunk.start.key), chunk.start.found, chunk.start.total_bytes)
+        start = chunk.start
+        return StartInfo(bytes(start.key), start.found, start.total_bytes, start.lent_offset, start.lent_bytes)
 
 
 _FRAMES = _Frames()

@@ -8,6 +8,12 @@ window (statestore/shm.py) when the server can attach it, else as gRPC data fram
 the caller's buffers. Either way: one copy out of the caller's buffer on a put, one copy into
 the sink's buffer on a get, and the payload checksum verified over the bytes the sink received.
 
+A caller whose buffers lie in a shared-memory file of its own (`lend`: LMCache's CPU buffer with
+`shm_name`) skips those copies: a put names the bulk of a record as a `LentSpan` (where it lies
+in that file), which the server copies out itself, and a get may name where in that file it
+wants each record's bulk (`LentDestination`), which the server delivers there. The client then
+only hashes those bytes, it does not copy them.
+
 `PayloadTransport` runs the calls; it is built by `StateStoreClient` (which owns the channel and
 the protobuf messages: this module imports no generated code) and exposed through
 `StateStoreClient.put_payloads` / `get_payloads_into` / `read_heads`.
@@ -16,6 +22,7 @@ the protobuf messages: this module imports no generated code) and exposed throug
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +31,8 @@ from typing import Any, Protocol, Union
 import grpc
 import xxhash
 
-from statestore.shm import ATTACHED, METADATA_KEY, ShmRegion, ShmSlots, ShmUnavailable, ShmWindow, slot_bytes
+from statestore.shm import (ATTACHED, METADATA_KEY, LentRegion, LentSpan, ShmRegion, ShmSlots, ShmUnavailable,
+                            ShmWindow, slot_bytes)
 from statestore.wire import data_frame
 from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES, RecordError, RecordHeader, decode_header, encode_header
 
@@ -41,10 +49,11 @@ HASH_BLOCK_BYTES = 1 << 20
 @dataclass(frozen=True, slots=True)
 class PayloadPut:
     """One record to store: its header (tenant left zero: the server stamps the caller's) and
-    its payload as buffers in order (`header.raw_length` bytes together)."""
+    its payload as buffers in order (`header.raw_length` bytes together). The last part may be
+    a `LentSpan`: bytes that lie in the caller's lent shared memory (`PayloadTransport.lend`)."""
 
     header: RecordHeader
-    parts: tuple[Buffer, ...]
+    parts: tuple[Buffer | LentSpan, ...]
 
     def __post_init__(self) -> None:
         size = sum(_nbytes(p) for p in self.parts)
@@ -55,10 +64,15 @@ class PayloadPut:
     def total_bytes(self) -> int:
         return HEADER_SIZE + self.header.raw_length
 
+    @property
+    def lent(self) -> LentSpan | None:
+        last = self.parts[-1] if self.parts else None
+        return last if isinstance(last, LentSpan) else None
+
     def encode_header(self) -> bytes:
         hasher = xxhash.xxh3_64()
         for part in self.parts:
-            hasher.update(part)
+            hasher.update(_bytes_of(part))
         return encode_header(self.header, stored_length=self.header.raw_length, flags=0,
                              checksum=hasher.intdigest())
 
@@ -75,6 +89,13 @@ class PayloadSink(Protocol):
     def close(self, index: int, ok: bool) -> None:
         """Record `index` is complete: ok when its checksum matched, else its buffer is garbage."""
 
+    # Optional, for a sink whose buffers lie in lent memory (`PayloadTransport.lend`):
+    #
+    # def lent_destination(self, index: int) -> tuple[int, LentSpan] | None:
+    #     """Before the call: (encoded length, span) to have the last `len(span.view)` bytes of
+    #     record `index` delivered straight into the span if its encoded length is exactly that
+    #     (`open` then takes them in place by returning `span.view` itself as its dest)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StartInfo:
@@ -83,26 +104,33 @@ class StartInfo:
     key: bytes
     found: bool
     total_bytes: int
+    lent_offset: int = 0
+    lent_bytes: int = 0
 
 
 class FrameCodec(Protocol):
     """The protobuf side of the stream (implemented in client.py)."""
 
-    def start_frame(self, key: bytes, total_bytes: int, durability: int, pin: bool) -> bytes: ...
+    def start_frame(self, key: bytes, total_bytes: int, durability: int, pin: bool, lent_offset: int = 0,
+                    lent_bytes: int = 0) -> bytes: ...
 
     def read_frame(self, frame: bytes) -> memoryview | StartInfo: ...
 
 
-def _nbytes(buf: Buffer) -> int:
-    return memoryview(buf).nbytes
+def _bytes_of(part: Buffer | LentSpan) -> Buffer:
+    return part.view if isinstance(part, LentSpan) else part
 
 
-def _flat(buf: Buffer) -> memoryview:
-    view = memoryview(buf)
+def _nbytes(buf: Buffer | LentSpan) -> int:
+    return memoryview(_bytes_of(buf)).nbytes
+
+
+def _flat(buf: Buffer | LentSpan) -> memoryview:
+    view = memoryview(_bytes_of(buf))
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def put_frames(encoded_header: bytes, parts: Sequence[Buffer], step: int) -> Iterator[bytes]:
+def put_frames(encoded_header: bytes, parts: Sequence[Buffer | LentSpan], step: int) -> Iterator[bytes]:
     """The encoded record as data frames of `step` bytes, sliced from the parts (one copy each)."""
     pending: list[Buffer] = [encoded_header]
     size = len(encoded_header)
@@ -120,15 +148,18 @@ def put_frames(encoded_header: bytes, parts: Sequence[Buffer], step: int) -> Ite
         yield data_frame(*pending)
 
 
-def _copy_into_slot(buf: Any, offset: int, item: PayloadPut) -> None:
+def _copy_into_slot(buf: Any, offset: int, item: PayloadPut, lent: bool = False) -> None:
     """The encoded record into its shm slot: the parts copied in blocks, each hashed right
     after its copy (still in cache: one pass over memory instead of two), then the header with
-    that checksum."""
+    that checksum. `lent`: the item's `LentSpan` stays where it lies and is only hashed."""
     view = memoryview(buf)
     try:
         hasher = xxhash.xxh3_64()
         at = offset + HEADER_SIZE
         for part in item.parts:
+            if lent and isinstance(part, LentSpan):
+                hasher.update(part.view)
+                continue
             flat = _flat(part)
             for start in range(0, len(flat), HASH_BLOCK_BYTES):
                 block = flat[start:start + HASH_BLOCK_BYTES]
@@ -151,6 +182,7 @@ class _Incoming:
         self.hasher = xxhash.xxh3_64()
         self.checksum = 0
         self.dest: memoryview | None = None
+        self.given: Any = None
         self.filled = 0
         self.received = 0
         self.failed: str | None = None
@@ -180,6 +212,7 @@ class _Incoming:
         if opened is None:
             raise RecordError("the sink declined it")
         skip, dest = opened
+        self.given = dest  # the sink's own object: is it the lent span's view? (`_deliver_from_slot`)
         self.dest = _flat(dest)  # from here on the sink is told how it ends (finish)
         if not 0 <= skip <= head_len or self.dest.nbytes != raw - skip:
             raise RecordError(f"sink gave skip {skip} and {self.dest.nbytes} bytes for a {raw}-byte payload")
@@ -211,12 +244,22 @@ class _Incoming:
         self.hasher.update(data)
         self.filled = end
 
-    def fill_from_slot(self, slot: memoryview, skip_bytes: int) -> None:
-        """The whole rest of the record from its shm slot (worker thread for large ones), in
-        blocks: each is hashed right after its copy, while still in cache."""
-        rest = slot[skip_bytes:]
-        for start in range(0, len(rest), HASH_BLOCK_BYTES):
-            self._fill(rest[start:start + HASH_BLOCK_BYTES])
+    def fill_from_parts(self, parts: Sequence[memoryview], skip_bytes: int) -> None:
+        """The whole rest of the record from its shm slot (and lent span), laid end to end
+        (worker thread for large ones), in blocks: each is hashed right after its copy, while
+        still in cache."""
+        for part in parts:
+            rest = part[skip_bytes:]
+            skip_bytes = max(0, skip_bytes - len(part))
+            for start in range(0, len(rest), HASH_BLOCK_BYTES):
+                self._fill(rest[start:start + HASH_BLOCK_BYTES])
+
+    def take_in_place(self, view: memoryview) -> None:
+        """The rest of the record already lies in the sink's dest (delivered into lent memory):
+        hash it there."""
+        assert self.dest is not None and len(view) == len(self.dest) - self.filled
+        self.hasher.update(view)
+        self.filled = len(self.dest)
 
     def finish(self) -> bool:
         if self.failed is None:
@@ -251,6 +294,7 @@ class PayloadTransport:
         self._step = chunk_bytes
         self._shm_bytes = shm_bytes
         self._region: ShmRegion | None = None
+        self._lent: LentRegion | None = None
         self._shm_state: bool | None = None if shm_bytes else False  # None: not probed yet
         self._probe_lock = asyncio.Lock()
 
@@ -294,26 +338,57 @@ class PayloadTransport:
         if self._region is not None:
             self._region.close()
             self._region = None
+        self.unlend()
+
+    def lend(self, path: str) -> None:
+        """Lend the server the caller's shared-memory file `path` (under /dev/shm) beside the
+        window: `LentSpan` parts and `LentDestination`s then name places in it. OSError or
+        ShmUnavailable if it cannot be opened; without shm it is never used."""
+        self.unlend()
+        if self._shm_bytes:
+            self._lent = LentRegion(path)
+
+    def unlend(self) -> None:
+        if self._lent is not None:
+            self._lent.close()
+            self._lent = None
+
+    @property
+    def lent_active(self) -> bool:
+        return self._lent is not None and bool(self._shm_state)
+
+    def _lent_for(self, items: Sequence[PayloadPut]) -> LentRegion | None:
+        """The lent region when some item has a `LentSpan` and every such span lies inside it."""
+        lent = self._lent
+        spans = [i.lent for i in items if i.lent is not None]
+        return lent if lent is not None and spans and all(lent.holds(s) for s in spans) else None
 
     # ----- put -----------------------------------------------------------------------------
 
     async def put(self, items: Sequence[PayloadPut], durability: int, pin: bool) -> Any:
         """One PutRecords call's reply for `items` (through shm when they fit the region)."""
-        region = await self._shm()
-        if region is not None:
-            window = await region.lease(sum(slot_bytes(i.total_bytes) for i in items))
-            if window is not None:
-                try:
-                    return await self._put_shm(region, window, items, durability, pin)
-                except grpc.aio.AioRpcError as exc:
-                    refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                    if not refused or not (exc.details() or "").startswith("shm:"):
-                        raise
-                    logger.warning("statestore: shared-memory put refused (%s): gRPC frames from now on", exc.details())
-                    self.disable_shm()
-                finally:
-                    if self._region is region:
-                        await region.release(window)
+        while (region := await self._shm()) is not None:
+            lent = self._lent_for(items)
+            window = await region.lease(sum(slot_bytes(i.total_bytes - (len(i.lent.view) if lent and i.lent else 0))
+                                            for i in items))
+            if window is None:
+                break
+            try:
+                return await self._put_shm(region, window, items, durability, pin, lent)
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                if not refused or not (exc.details() or "").startswith("shm:"):
+                    raise
+                if lent is not None and (exc.details() or "").startswith("shm: lent"):
+                    logger.warning("statestore: lent memory refused (%s): copied through the window from now on",
+                                   exc.details())
+                    self.unlend()
+                    continue
+                logger.warning("statestore: shared-memory put refused (%s): gRPC frames from now on", exc.details())
+                self.disable_shm()
+            finally:
+                if self._region is region:
+                    await region.release(window)
         return await self._put(self._frames(items, durability, pin), metadata=self._metadata, timeout=self._timeout)
 
     async def _frames(self, items: Sequence[PayloadPut], durability: int, pin: bool) -> AsyncIterator[bytes]:
@@ -323,17 +398,21 @@ class PayloadTransport:
                 yield frame
 
     async def _put_shm(self, region: ShmRegion, window: ShmWindow, items: Sequence[PayloadPut], durability: int,
-                       pin: bool) -> Any:
+                       pin: bool, lent: LentRegion | None) -> Any:
         slots = ShmSlots(window)
+        starts = []
         for item in items:
-            at = slots.take(item.total_bytes)
+            span = item.lent if lent is not None else None
+            at = slots.take(item.total_bytes - (len(span.view) if span else 0))
             assert at is not None, "the lease was sized for every item"
             if item.total_bytes >= COPY_OFF_LOOP_BYTES:  # checksum and copy off the loop
-                await asyncio.to_thread(_copy_into_slot, region.buf, at, item)
+                await asyncio.to_thread(_copy_into_slot, region.buf, at, item, span is not None)
             else:
-                _copy_into_slot(region.buf, at, item)
-        starts = [self._codec.start_frame(i.header.key, i.total_bytes, durability, pin) for i in items]
-        return await self._put(iter(starts), metadata=(*self._metadata, window.to_metadata()), timeout=self._timeout)
+                _copy_into_slot(region.buf, at, item, span is not None)
+            starts.append(self._codec.start_frame(item.header.key, item.total_bytes, durability, pin,
+                                                  *((span.offset, len(span.view)) if span else ())))
+        metadata = (*self._metadata, window.to_metadata(), *((lent.to_metadata(),) if lent is not None else ()))
+        return await self._put(iter(starts), metadata=metadata, timeout=self._timeout)
 
     # ----- get -----------------------------------------------------------------------------
 
@@ -353,16 +432,37 @@ class PayloadTransport:
         region = await self._shm()
         window = await region.lease(min(region.capacity, max(region.capacity // 2, 1))) if region else None
         metadata = self._metadata if window is None else (*self._metadata, window.to_metadata())
+        spans = self._lent_destinations(sink, base, len(keys)) if window is not None else None
+        if spans is not None:
+            assert self._lent is not None
+            metadata = (*metadata, self._lent.to_metadata())
         try:
-            call = self._get(self._request(keys, self._step), metadata=metadata, timeout=self._timeout)
+            request = self._request(keys, self._step, [(t, s.offset, len(s.view)) if s else (0, 0, 0)
+                                                       for t, s in spans] if spans else ())
+            call = self._get(request, metadata=metadata, timeout=self._timeout)
             slots = ShmSlots(window) if window is not None and _attached(await call.initial_metadata()) else None
-            return await self._read_stream(call, keys, base, sink, head_bytes, slots, region)
+            return await self._read_stream(call, keys, base, sink, head_bytes, slots, region, spans)
         finally:
             if window is not None and region is not None:
                 await region.release(window)
 
+    def _lent_destinations(self, sink: PayloadSink, base: int, count: int
+                           ) -> list[tuple[int, LentSpan | None]] | None:
+        """Per key, the sink's lent destination (`PayloadSink.lent_destination`), or None when
+        there is no lent memory, the sink offers none, or none lies inside the lent file."""
+        ask = getattr(sink, "lent_destination", None)
+        lent = self._lent
+        if ask is None or lent is None:
+            return None
+        spans: list[tuple[int, LentSpan | None]] = []
+        for i in range(count):
+            got = ask(base + i)
+            spans.append(got if got is not None and lent.holds(got[1]) and len(got[1].view) else (0, None))
+        return spans if any(s for _, s in spans) else None
+
     async def _read_stream(self, call: Any, keys: Sequence[bytes], base: int, sink: PayloadSink, head_bytes: int,
-                           slots: ShmSlots | None, region: ShmRegion | None) -> list[bool]:
+                           slots: ShmSlots | None, region: ShmRegion | None,
+                           spans: Sequence[tuple[int, LentSpan | None]] | None = None) -> list[bool]:
         out: list[bool] = []
         current: _Incoming | None = None
         try:
@@ -382,12 +482,13 @@ class PayloadTransport:
                     out.append(False)
                     continue
                 incoming = _Incoming(base + len(out), msg.key, msg.total_bytes, sink, head_bytes)
-                at = slots.take(msg.total_bytes) if slots is not None else None
+                lent = _lent_span(msg, spans[len(out)][1] if spans else None)
+                at = slots.take(msg.total_bytes - (len(lent.view) if lent else 0)) if slots is not None else None
                 if at is None:
                     current = incoming  # its bytes follow as data frames
                 else:
                     assert region is not None
-                    out.append(await _deliver_from_slot(region, at, incoming))
+                    out.append(await _deliver_from_slot(region, at, incoming, lent))
             if current is not None:
                 out.append(current.finish())
                 current = None
@@ -438,20 +539,39 @@ def _attached(metadata: Any) -> bool:
     return any(k == METADATA_KEY and v in (ATTACHED, ATTACHED.encode()) for k, v in metadata or ())
 
 
-async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming) -> bool:
+def _lent_span(start: StartInfo, asked: LentSpan | None) -> LentSpan | None:
+    """The lent span a record start says the server delivered into (it must be the one asked)."""
+    if not start.lent_bytes and not start.lent_offset:
+        return None
+    if asked is None or start.lent_offset != asked.offset or start.lent_bytes != len(asked.view):
+        raise RecordError("the server delivered into lent memory the caller did not name for this record")
+    return asked
+
+
+async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming, lent: LentSpan | None = None) -> bool:
     """A record the server put in a shm slot, into the sink: header and head read in place, the
-    rest copied (off the loop when large), the checksum over what the sink got."""
-    slot = memoryview(region.buf)[at:at + incoming.total_bytes]
+    rest copied (off the loop when large), the checksum over what the sink got. With `lent`,
+    the record's last bytes lie in that span: taken in place when the sink's dest is the span's
+    own view (hashed only), else copied like the rest."""
+    in_slot = incoming.total_bytes - (len(lent.view) if lent is not None else 0)
+    slot = memoryview(region.buf)[at:at + in_slot]
     try:
         try:
-            used = incoming.start(slot)
+            parts = [slot] if lent is None else [slot, lent.view]
+            head = slot if lent is None or len(slot) >= HEADER_SIZE + incoming.head_bytes else \
+                memoryview(bytes(slot) + bytes(lent.view[:HEADER_SIZE + incoming.head_bytes - len(slot)]))
+            used = incoming.start(head)
             if used is None:
                 raise RecordError("a truncated record in its slot")
             incoming.received = incoming.total_bytes
-            if incoming.total_bytes - used >= COPY_OFF_LOOP_BYTES:
-                await asyncio.to_thread(incoming.fill_from_slot, slot, used)
+            if lent is not None and used == in_slot and incoming.given is lent.view:
+                work = functools.partial(incoming.take_in_place, lent.view)
             else:
-                incoming.fill_from_slot(slot, used)
+                work = functools.partial(incoming.fill_from_parts, parts, used)
+            if incoming.total_bytes - used >= COPY_OFF_LOOP_BYTES:
+                await asyncio.to_thread(work)
+            else:
+                work()
         except (RecordError, ValueError) as exc:
             incoming.fail(str(exc))
         return incoming.finish()

@@ -72,6 +72,8 @@ class Reassembler:
             if not HEADER_SIZE <= start.total_bytes <= self._max_record:
                 raise BadField(f"{self._where}: start.total_bytes {start.total_bytes} outside [{HEADER_SIZE}, "
                                 f"{self._max_record}] (header size .. the server's max_record_bytes)")
+            if (start.lent_bytes or start.lent_offset) and not self._data_in_shm:
+                raise BadField(f"{self._where}: start.lent_bytes / lent_offset in a PutRecords without shared memory")
             self._total += start.total_bytes
             if self._total > self._max_stream:
                 raise BadField(f"{self._where}: the stream's records exceed max_stream_bytes {self._max_stream}; "
@@ -167,10 +169,10 @@ class Stager:
         staged = self._stack.enter_context(self._ssd.staging(header.stored_length))
         self._num_staged += 1
         pieces = [memoryview(parts[0])[HEADER_SIZE:], *parts[1:]]
-        if defer and shared and len(pieces) == 1 and total >= DEFER_FILL_MIN_BYTES:
+        if defer and shared and total >= DEFER_FILL_MIN_BYTES:
             if header.key != start.key:
                 raise RecordError("record key does not match the key it was stored under")
-            staged.defer_fill(pieces[0], checksum)
+            staged.defer_fill([memoryview(p) for p in pieces], checksum)
             self._deferred.append(staged)
             return Record(header, staged.payload, checksum)
         hash_parts = shared or payload_sum is None

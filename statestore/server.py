@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,8 @@ from statestore.record_stream import Reassembler, Stager
 from statestore.rpc import (BadField, Calls, Denied, Exhausted, NotFound, Precondition, add_servicer, streaming,
                             unary)
 from statestore.sessions_service import SessionsServicer
-from statestore.shm import (ATTACHED, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable, ShmWindow, slot_views,
-                            write_slot, write_slot_header)
+from statestore.shm import (ATTACHED, LENT_METADATA_KEY, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable,
+                            ShmWindow, slot_views, write_slot, write_slot_header)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
 from statestore.wire import encoded_size, frame_slices, join_parts_off_loop, record_frames
@@ -65,6 +66,46 @@ TIER_PROBE_S = 1.0  # how often tiers that are down are probed (each tier paces 
 
 
 # ----- StateStore ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _LentInto:
+    """Where GetRecords delivers the last `bytes` of a record of `total_bytes` (lent memory)."""
+
+    buf: Any
+    total_bytes: int
+    offset: int
+    bytes: int
+
+
+def _lent_destinations(lent_request: Any, lent: Any) -> list[_LentInto | None]:
+    """GetRecordsRequest.lent, checked against the lent memory (all zero: none for that key)."""
+    out: list[_LentInto | None] = []
+    for i, d in enumerate(lent_request):
+        if not (d.total_bytes or d.offset or d.bytes):
+            out.append(None)
+            continue
+        if not 0 < d.bytes <= d.total_bytes - HEADER_SIZE:
+            raise BadField(f"lent[{i}]: bytes {d.bytes} outside [1, total_bytes - {HEADER_SIZE}]")
+        if d.offset + d.bytes > len(lent):
+            raise BadField(f"lent[{i}]: [{d.offset}, +{d.bytes}) exceeds the {len(lent)}-byte lent memory")
+        out.append(_LentInto(lent, d.total_bytes, d.offset, d.bytes))
+    return out
+
+
+def _lent_bytes(i: int, start: common_pb2.RecordStart, lent: Any) -> int:
+    """How many of record i's bytes lie in the call's lent memory (statestore/shm.py), checked."""
+    if not start.lent_bytes and not start.lent_offset:
+        return 0
+    if lent is None:
+        raise BadField(f"record {i}: start.lent_bytes / lent_offset without lent memory ({LENT_METADATA_KEY})")
+    if not 0 < start.lent_bytes <= start.total_bytes - HEADER_SIZE:
+        raise BadField(f"record {i}: start.lent_bytes {start.lent_bytes} outside [1, total_bytes - {HEADER_SIZE}] "
+                       f"(the header lies in the slot)")
+    if start.lent_offset + start.lent_bytes > len(lent):
+        raise BadField(f"record {i}: lent bytes [{start.lent_offset}, +{start.lent_bytes}) exceed the "
+                       f"{len(lent)}-byte lent memory")
+    return start.lent_bytes
 
 
 class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
@@ -192,12 +233,16 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         parts = assembler.records()
         if window is None:
             await self._verify_done(parts, assembler.sums, verified, tid, stager, final=True)
-        else:  # the bytes are in the client's window: views, copied once (and hashed) by _verify
+        else:  # the bytes are in the client's window (and lent memory): views, copied once (and hashed) by _verify
             try:
-                views = slot_views(owner.shm.buffer(window), window, [start.total_bytes for start, _ in parts])
+                lent = owner.shm.lent_from(context.invocation_metadata(), window)
+                views = slot_views(owner.shm.buffer(window), window,
+                                   [start.total_bytes - _lent_bytes(i, start, lent) for i, (start, _) in enumerate(parts)])
             except ShmUnavailable as exc:
                 raise Precondition(str(exc)) from None
-            parts = [(start, [view]) for (start, _), view in zip(parts, views)]
+            parts = [(start, [view] if not start.lent_bytes else
+                      [view, memoryview(lent)[start.lent_offset:start.lent_offset + start.lent_bytes]])  # type: ignore[arg-type]
+                     for (start, _), view in zip(parts, views)]
             try:
                 # One LOCAL record alone: the SSD tier copies it out of the window while it writes it
                 # and verifies it before it becomes visible (`Stager.join(defer=True)`).
@@ -308,15 +353,20 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if chunk < 1024:
             raise BadField(f"chunk_bytes: {request.chunk_bytes} < 1024")
         tid = tenant_id(tenant)
+        if request.lent and len(request.lent) != len(keys):
+            raise BadField(f"lent: {len(request.lent)} destinations for {len(keys)} keys (give none or one per key)")
         window = self._shm_window(context, put=False)
-        slots = None
+        slots, lent, dests = None, None, [None] * len(keys)
         if window is not None:  # found records go into the client's window (statestore/shm.py)
+            lent = self._lent_for_get(context, window) if request.lent else None
+            if lent is not None:
+                dests = _lent_destinations(request.lent, lent)
             await context.send_initial_metadata(((METADATA_KEY, ATTACHED),))
             slots, shm_buf = ShmSlots(window), self._owner.shm.buffer(window)
         sent_bytes = 0
         try:
             layout = frame_slices(chunk) if slots is None else None
-            for key in keys:
+            for i, key in enumerate(keys):
                 if layout is not None:  # a host-tier hit comes as its frames, copied once from the pages
                     got = await self._store.get_slices(key, layout, expect_tenant=tid)
                     if isinstance(got, tuple):
@@ -329,12 +379,13 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                         continue
                     record = got
                 elif slots is not None and self._owner.ssd is not None:
-                    record, delivered = await self._get_delivering(key, tid, slots, shm_buf)
+                    record, delivered, into = await self._get_delivering(key, tid, slots, shm_buf, dests[i])
                     if delivered:  # the SSD tier read it straight into its slot: only its header is left
                         total = encoded_size(record)
-                        write_slot_header(shm_buf, slots.take(total), record)
-                        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total,
-                                                                                  found=True))
+                        write_slot_header(shm_buf, slots.take(total - (into.bytes if into else 0)), record)
+                        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
+                            key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
+                            lent_bytes=into.bytes if into else 0))
                         sent_bytes += total
                         continue
                 else:
@@ -343,10 +394,19 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, found=False))
                     continue
                 total = encoded_size(record)
-                at = slots.take(total) if slots is not None else None
+                into = dests[i] if slots is not None and dests[i] is not None and \
+                    dests[i].total_bytes == total else None
+                at = slots.take(total - (into.bytes if into else 0)) if slots is not None else None
                 if at is not None:
-                    await write_slot(shm_buf, at, record)
-                    yield common_pb2.RecordChunk(start=common_pb2.RecordStart(key=key, total_bytes=total, found=True))
+                    lent_view = memoryview(lent)[into.offset:into.offset + into.bytes] if into else None
+                    try:
+                        await write_slot(shm_buf, at, record, lent_view)
+                    finally:
+                        if lent_view is not None:
+                            lent_view.release()
+                    yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
+                        key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
+                        lent_bytes=into.bytes if into else 0))
                     sent_bytes += total
                     continue
                 if slots is not None and slots.num_used:
@@ -358,24 +418,41 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         finally:  # once per call, not per record: the counter takes a lock
             self._calls.metrics.bytes_moved.labels("out").inc(sent_bytes)
 
-    async def _get_delivering(self, key: bytes, tid: bytes, slots: ShmSlots,
-                              shm_buf: Any) -> tuple[Record | None, bool]:
+    async def _get_delivering(self, key: bytes, tid: bytes, slots: ShmSlots, shm_buf: Any, lent: _LentInto | None
+                              ) -> tuple[Record | None, bool, _LentInto | None]:
         """`store.get` for a shared-memory GetRecords: when the caller's record would fit the
         window's next slot, the SSD tier (if it reads it from the disk) copies the payload
         into that slot piece by piece while it reads the rest (`SSDTier.reading_into`), instead
-        of the whole payload being copied after the read. Returns the record and whether its
-        verified payload is in the slot (the slot is not taken yet either way)."""
+        of the whole payload being copied after the read; with a `lent` destination for a
+        record of its size, the last bytes go there instead of the slot. Returns the record,
+        whether its verified payload was delivered (the slot is not taken yet either way), and
+        the lent destination it used."""
         meta = self._owned(key, tid)
-        at = slots.peek(meta.size_bytes) if meta is not None and meta.size_bytes >= _DELIVER_MIN_BYTES else None
+        size = meta.size_bytes if meta is not None else 0
+        into = lent if lent is not None and lent.total_bytes == size else None
+        in_slot = size - (into.bytes if into is not None else 0)
+        at = slots.peek(in_slot) if size >= _DELIVER_MIN_BYTES else None
         if at is None:
-            return await self._store.get(key, expect_tenant=tid), False
-        dest = memoryview(shm_buf)[at + HEADER_SIZE:at + meta.size_bytes]
+            return await self._store.get(key, expect_tenant=tid), False, None
+        dests = [memoryview(shm_buf)[at + HEADER_SIZE:at + in_slot]]
+        if into is not None:
+            dests.append(memoryview(into.buf)[into.offset:into.offset + into.bytes])
         try:
-            with self._owner.ssd.reading_into(key, dest, tid) as target:
+            with self._owner.ssd.reading_into(key, dests, tid) as target:
                 record = await self._store.get(key, expect_tenant=tid)
         finally:
-            dest.release()
-        return record, record is not None and target.filled and encoded_size(record) == meta.size_bytes
+            for dest in dests:
+                dest.release()
+        delivered = record is not None and target.filled and encoded_size(record) == size
+        return record, delivered, into if delivered else None
+
+    def _lent_for_get(self, context: Any, window: ShmWindow) -> Any:
+        """The lent memory a GetRecords names, or None (its records then come in their slots)."""
+        try:
+            return self._owner.shm.lent_from(context.invocation_metadata(), window)
+        except ShmUnavailable as exc:
+            logger.debug("GetRecords without lent memory: %s", exc)
+            return None
 
     async def _set_pins(self, request: Any, tenant: str, pinned: bool) -> Any:
         keys = record_keys(request.keys, "keys")

@@ -30,6 +30,18 @@ Checks (server): the peer is on loopback; the name is `/proc/<pid>/fd/<n>` and l
 named `statestore-shm`; the region starts with `MAGIC` and the secret the call gives; the window
 lies inside the region. So a client can point the server only at a region whose secret it holds,
 never at a file, and never at another client's region.
+
+Lent memory. A client whose own buffers already live in POSIX shared memory (LMCache's CPU
+buffer with its `shm_name` setting: a file under /dev/shm) may lend that file too, so that
+the bulk of a record goes between the server and the client's buffer with no copy through the
+window: metadata `x-statestore-lent: "<name> <size>"` beside the window, the name again
+`/proc/<pid>/fd/<n>` of the same process. A put's `RecordStart` then says that its last
+`lent_bytes` lie at `lent_offset` of the lent file (the rest, header first, in its slot); a get
+names, per key, where it wants a record's last bytes (`LentDestination`) and the server, which
+delivers them there, says so in the same fields. The server copies out of lent memory exactly as
+out of a window (what it hashes is what it copied). It maps a lent file only if it is a regular
+file under /dev/shm owned by the user that owns the client process, of the size the call
+declares: nothing a client could not already read and write itself.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +59,8 @@ from dataclasses import dataclass
 from tiers.record import HEADER_SIZE, Record, encode_header
 
 METADATA_KEY = "x-statestore-shm"
+LENT_METADATA_KEY = "x-statestore-lent"
+LENT_DIR = "/dev/shm/"
 ATTACHED = "attached"
 MAGIC = b"SSSHM\x00\x00\x01"
 SECRET_BYTES = 32
@@ -53,7 +68,7 @@ DATA_OFFSET = 4096
 SLOT_ALIGN = 4096
 MEMFD_NAME = "statestore-shm"
 COPY_OFF_LOOP_BYTES = 1 << 20  # copies at least this large run on a worker thread
-_NAME = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
+_NAME = re.compile(r"/proc/([0-9]{1,10})/fd/[0-9]{1,10}")
 _LOOPBACK_PEERS = ("ipv4:127.", "ipv6:[::1]", "unix:")
 
 
@@ -130,6 +145,20 @@ class _Mapped:
     secret: bytes
     size: int
     buf: mmap.mmap
+    lent: bool = False  # a client's lent file (no secret), not a statestore memfd
+
+
+@dataclass(frozen=True, slots=True)
+class LentSpan:
+    """Bytes of a record that lie in the client's lent file at `offset` (`view`: the same bytes
+    as the client sees them, for hashing, and for gRPC frames when there is no shared memory)."""
+
+    offset: int
+    view: memoryview
+
+    def __post_init__(self) -> None:
+        if self.offset < 0:
+            raise ValueError(f"lent offset {self.offset} < 0")
 
 
 class ShmAttachments:
@@ -161,10 +190,61 @@ class ShmAttachments:
                                  f"{region.size}-byte region")
         return window
 
+    def lent_from(self, metadata: Sequence[tuple[str, str | bytes]] | None, window: ShmWindow | None) -> mmap.mmap | None:
+        """The mapping of the lent file a call's metadata names beside its window (None: it names
+        none); ShmUnavailable ("shm: lent ...") if it is unusable."""
+        value = next((v for k, v in metadata or () if k == LENT_METADATA_KEY), None)
+        if value is None:
+            return None
+        if window is None:
+            raise ShmUnavailable(f"shm: lent memory without a window ({METADATA_KEY})")
+        parts = (value if isinstance(value, str) else value.decode("ascii", "replace")).split(" ")
+        match = _NAME.fullmatch(parts[0]) if len(parts) == 2 and parts[1].isdigit() else None
+        if match is None:
+            raise ShmUnavailable(f"shm: lent metadata {LENT_METADATA_KEY} is not '/proc/<pid>/fd/<n> <size>'")
+        if match.group(1) != _NAME.fullmatch(window.name).group(1):  # type: ignore[union-attr]
+            raise ShmUnavailable("shm: lent memory of another process than the window's")
+        name, size = parts[0], int(parts[1])
+        try:
+            st = os.stat(name)
+        except OSError as exc:
+            raise ShmUnavailable(f"shm: lent: cannot open {name} ({exc.strerror})") from None
+        cached = self._regions.get(name)
+        if cached is None or not cached.lent or cached.ident != (st.st_dev, st.st_ino) or cached.size != size:
+            self._regions.pop(name, None)
+            cached = self._open_lent(name, size, int(match.group(1)))
+            self._drop_stale()
+            while len(self._regions) >= self.max_regions:
+                self._regions.popitem(last=False)
+            self._regions[name] = cached
+        self._regions.move_to_end(name)
+        return cached.buf
+
+    @staticmethod
+    def _open_lent(name: str, size: int, pid: int) -> _Mapped:
+        try:
+            link = os.readlink(name)
+            if not link.startswith(LENT_DIR):
+                raise ShmUnavailable(f"shm: lent: {name} is not a file under {LENT_DIR}")
+            owner = os.stat(f"/proc/{pid}").st_uid
+            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmUnavailable(f"shm: lent: cannot open {name} ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
+                raise ShmUnavailable(f"shm: lent: {link} is not a regular file of the client's user")
+            if st.st_size != size or size < SLOT_ALIGN:
+                raise ShmUnavailable(f"shm: lent: {link} holds {st.st_size} bytes, the call says {size}")
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return _Mapped((st.st_dev, st.st_ino), b"", size, buf, lent=True)
+
     def buffer(self, window: ShmWindow) -> mmap.mmap:
         """The mapping of an attached window's region (after `window_from`)."""
         region = self._regions.get(window.name)
-        if region is None or region.secret != window.secret:
+        if region is None or region.lent or region.secret != window.secret:
             raise ShmUnavailable(f"shm: region {window.name} is no longer attached")
         return region.buf
 
@@ -174,7 +254,7 @@ class ShmAttachments:
         except OSError as exc:
             raise ShmUnavailable(f"shm: cannot open {window.name} ({exc.strerror}): not on this host?") from None
         cached = self._regions.get(window.name)
-        if cached is not None and cached.ident == (st.st_dev, st.st_ino):
+        if cached is not None and not cached.lent and cached.ident == (st.st_dev, st.st_ino):
             if cached.secret != window.secret:
                 raise ShmUnavailable("shm: wrong secret for this region")
             self._regions.move_to_end(window.name)
@@ -238,14 +318,18 @@ def slot_views(buf: mmap.mmap, window: ShmWindow, totals: Sequence[int]) -> list
     return views
 
 
-def _write_slot(buf: mmap.mmap, offset: int, record: Record, *, header_only: bool = False) -> None:
+def _write_slot(buf: mmap.mmap, offset: int, record: Record, *, header_only: bool = False,
+                lent: memoryview | None = None) -> None:
     payload = record.payload
     header = encode_header(record.header, stored_length=len(payload), flags=0, checksum=record.payload_sum())
     view = memoryview(buf)
     try:
         view[offset:offset + HEADER_SIZE] = header
         if not header_only:
-            view[offset + HEADER_SIZE:offset + HEADER_SIZE + len(payload)] = payload
+            in_slot = len(payload) - (len(lent) if lent is not None else 0)
+            view[offset + HEADER_SIZE:offset + HEADER_SIZE + in_slot] = memoryview(payload)[:in_slot]
+            if lent is not None:
+                lent[:] = memoryview(payload)[in_slot:]
     finally:
         view.release()
 
@@ -256,12 +340,13 @@ def write_slot_header(buf: mmap.mmap, offset: int, record: Record) -> None:
     _write_slot(buf, offset, record, header_only=True)
 
 
-async def write_slot(buf: mmap.mmap, offset: int, record: Record) -> None:
-    """Encode one record into its slot, as on the wire (on a worker thread when large)."""
+async def write_slot(buf: mmap.mmap, offset: int, record: Record, lent: memoryview | None = None) -> None:
+    """Encode one record into its slot, as on the wire (on a worker thread when large); `lent`:
+    where its last `len(lent)` payload bytes go instead (the caller's lent memory)."""
     if len(record.payload) >= COPY_OFF_LOOP_BYTES:
-        await asyncio.to_thread(_write_slot, buf, offset, record)
+        await asyncio.to_thread(_write_slot, buf, offset, record, lent=lent)
     else:
-        _write_slot(buf, offset, record)
+        _write_slot(buf, offset, record, lent=lent)
 
 
 # ----- the client side ---------------------------------------------------------------------------
@@ -337,5 +422,30 @@ class ShmRegion:
                 self.buf.close()
             except BufferError:  # a view is still alive somewhere: the mapping goes with it
                 pass
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LentRegion:
+    """A client's file under /dev/shm that holds its own buffers (LMCache's CPU buffer with
+    `shm_name`), lent to the server beside its window (see the module docstring). Opens its own
+    descriptor of the file, so the name stays valid while this object is open."""
+
+    def __init__(self, path: str) -> None:
+        if not path.startswith(LENT_DIR):
+            raise ShmUnavailable(f"shm: lent memory must be a file under {LENT_DIR}, not {path!r}")
+        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.path = path
+        self.size_bytes = os.fstat(self._fd).st_size
+        self.name = f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def to_metadata(self) -> tuple[str, str]:
+        return LENT_METADATA_KEY, f"{self.name} {self.size_bytes}"
+
+    def holds(self, span: LentSpan) -> bool:
+        return span.offset + len(span.view) <= self.size_bytes
+
+    def close(self) -> None:
+        if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -95,7 +95,7 @@ from typing import Any
 
 import xxhash
 
-from tiers.record import HEADER_SIZE, RecordError, RecordHeader, copy_hashing, decode_header
+from tiers.record import HEADER_SIZE, RecordError, RecordHeader, copy_gathered, copy_hashing, decode_header
 
 ALIGN = 4096  # O_DIRECT alignment of buffer, offset and length on every device we target
 NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -318,7 +318,7 @@ class Staged:
     O_DIRECT as it lies (`LaidOut`), instead of copying the payload into an aligned buffer of
     its own. The buffer goes back to its pool once every view of it is gone."""
 
-    __slots__ = ("buf", "dest", "payload", "_source", "_checksum")
+    __slots__ = ("buf", "dest", "payload", "_sources", "_checksum")
 
     def __init__(self, buffers: IOBuffers, payload_bytes: int) -> None:
         if payload_bytes < 0:
@@ -327,35 +327,36 @@ class Staged:
         self.buf = buffers.lend(round_up(total, ALIGN))
         self.dest = self.buf[HEADER_SIZE:total]
         self.payload = self.dest.toreadonly()
-        self._source: memoryview | None = None
+        self._sources: tuple[memoryview, ...] | None = None
         self._checksum = 0
 
-    def defer_fill(self, source: memoryview, checksum: int) -> None:
-        """The payload is to be copied from `source` (as long) by the write that stores it,
+    def defer_fill(self, sources: Sequence[memoryview], checksum: int) -> None:
+        """The payload is to be copied from `sources` (laid end to end, as long) by the write that stores it,
         piece by piece while the previous piece is written (`_write_filling`), and verified
         against `checksum` before the record becomes visible; until then `payload` holds
         nothing valid. For the durability tier's write of a put: nothing may read the payload
         before it (`fill` does the whole copy at once for any other path)."""
-        if len(source) != len(self.dest):
-            raise ValueError(f"fill source of {len(source)} bytes for a {len(self.dest)}-byte payload")
-        self._source, self._checksum = source, checksum
+        size = sum(len(s) for s in sources)
+        if size != len(self.dest):
+            raise ValueError(f"fill sources of {size} bytes for a {len(self.dest)}-byte payload")
+        self._sources, self._checksum = tuple(sources), checksum
 
     @property
     def pending(self) -> bool:
         """A deferred fill has not completed yet."""
-        return self._source is not None
+        return self._sources is not None
 
     def fill(self) -> None:
         """Do a pending fill now, whole (copy, hash): RecordError if the checksum does not match."""
-        if self._source is not None:
+        if self._sources is not None:
             hasher = xxhash.xxh3_64()
-            copy_hashing(self.dest, self._source, hasher)
+            copy_gathered(self.dest, self._sources, 0, hasher)
             self._filled(hasher)
 
     def _filled(self, hasher: Any) -> None:
         if hasher.intdigest() != self._checksum:
             raise RecordError("payload checksum mismatch: the payload is corrupt")
-        self._source = None
+        self._sources = None
 
     def laid_out(self, head: Chunk, helpers: Executor | None = None) -> LaidOut:
         """The chunks (encoded header, payload) of a write from this buffer (`helpers`: where
@@ -432,7 +433,7 @@ def _write_piecewise(fd: int, chunks: Piecewise, total: int, padded: int, buffer
     with buffers.lease(padded) as buf:
         if padded != total:
             buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
-        _copy_and_write_pieces(fd, buf, payload, total, padded, hasher, chunks.helpers, WRITE_PIECES_IN_FLIGHT)
+        _copy_and_write_pieces(fd, buf, (payload,), total, padded, hasher, chunks.helpers, WRITE_PIECES_IN_FLIGHT)
         if hasher is not None:
             chunks.head = chunks.make_head(hasher.intdigest())
         assert chunks.head is not None
@@ -440,9 +441,9 @@ def _write_piecewise(fd: int, chunks: Piecewise, total: int, padded: int, buffer
         _pwrite_all(fd, buf[:ALIGN], 0)
 
 
-def _copy_and_write_pieces(fd: int, buf: memoryview, payload: Chunk, total: int, padded: int,
+def _copy_and_write_pieces(fd: int, buf: memoryview, payload: Sequence[Chunk], total: int, padded: int,
                            hasher: Any, helpers: Executor, max_in_flight: int) -> None:
-    """Copy `payload` into `buf` after its HEADER_SIZE bytes of header room, piece by piece
+    """Copy `payload` (its parts end to end) into `buf` after its HEADER_SIZE bytes of header room, piece by piece
     (`WRITE_PIECE_BYTES`, hashing each into `hasher` right after its copy when one is given),
     each piece written on `helpers` while the next is copied, at most `max_in_flight` writes
     at once. On return every block of the file but the first is written; the caller writes
@@ -454,7 +455,7 @@ def _copy_and_write_pieces(fd: int, buf: memoryview, payload: Chunk, total: int,
             hi = min(padded, lo + WRITE_PIECE_BYTES)
             start, stop = max(lo, HEADER_SIZE), min(hi, total)
             if stop > start:
-                copy_hashing(buf[start:stop], payload[start - HEADER_SIZE:stop - HEADER_SIZE], hasher)
+                copy_gathered(buf[start:stop], payload, start - HEADER_SIZE, hasher)
             write_from = max(lo, ALIGN)  # the header's block waits
             if hi > write_from:
                 if len(in_flight) >= max_in_flight:
@@ -530,10 +531,10 @@ def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded:
     holding the header) is written last, once the checksum of everything copied matched: a
     crash before that leaves a file whose first block is a hole (zeros), never a record that
     looks whole. RecordError on a mismatch (the caller removes the file)."""
-    source = staged._source
-    assert source is not None
+    sources = staged._sources
+    assert sources is not None
     hasher = xxhash.xxh3_64()
-    _copy_and_write_pieces(fd, buf, source, total, padded, hasher, helpers, 1)
+    _copy_and_write_pieces(fd, buf, sources, total, padded, hasher, helpers, 1)
     staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
     _pwrite_all(fd, buf[:ALIGN], 0)
 

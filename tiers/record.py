@@ -101,6 +101,44 @@ def copy_hashing(dest: memoryview, src: bytes | memoryview, hasher: xxhash.xxh3_
             hasher.update(dest[start:end])
 
 
+def copy_gathered(dest: memoryview, sources: Sequence[bytes | memoryview], offset: int,
+                  hasher: xxhash.xxh3_64 | None) -> None:
+    """Copy bytes [offset, offset + len(dest)) of `sources` laid end to end into `dest`, hashing
+    as `copy_hashing` does: a payload that lies in several places (a record's head in one
+    buffer, its bulk in memory a client lent) is copied out as if it were one buffer."""
+    at, want, end = 0, offset, offset + len(dest)
+    for src in sources:
+        n = len(src) if isinstance(src, memoryview) else len(memoryview(src))
+        lo, hi = max(want, at), min(end, at + n)
+        if hi > lo:
+            copy_hashing(dest[lo - offset:hi - offset], memoryview(src)[lo - at:hi - at], hasher)
+            want = hi
+        at += n
+        if at >= end:
+            break
+    if want != end:
+        raise ValueError(f"copy_gathered: sources of {at} bytes end before byte {end}")
+
+
+def copy_scattered(dests: Sequence[memoryview], offset: int, src: bytes | memoryview,
+                   hasher: xxhash.xxh3_64 | None) -> None:
+    """Copy `src` into bytes [offset, offset + len(src)) of `dests` laid end to end, hashing as
+    `copy_hashing` does (in order): the mirror of `copy_gathered`, for a payload delivered
+    partly into one buffer and partly into another."""
+    view = memoryview(src)
+    at, want, end = 0, offset, offset + len(view)
+    for dest in dests:
+        lo, hi = max(want, at), min(end, at + len(dest))
+        if hi > lo:
+            copy_hashing(dest[lo - at:hi - at], view[lo - offset:hi - offset], hasher)
+            want = hi
+        at += len(dest)
+        if at >= end:
+            break
+    if want != end:
+        raise ValueError(f"copy_scattered: destinations of {at} bytes end before byte {end}")
+
+
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
     """Everything about a record except its payload. Sizes describe the raw payload."""

@@ -97,7 +97,7 @@ from tiers.record import (
     RecordError,
     RecordHeader,
     RecordKey,
-    copy_hashing,
+    copy_scattered,
     decode_header,
     decode_record,
     encode_header,
@@ -534,12 +534,18 @@ class ReadTarget:
     `filled` turns True only when the get read the record from the disk, its header matched
     (key, `expect_tenant`, uncompressed, `len(dest)` payload bytes) and its payload checksum
     verified over exactly the bytes copied into `dest`; else `dest` may hold anything of that
-    record (never another tenant's bytes: the header is checked before the first copy)."""
+    record (never another tenant's bytes: the header is checked before the first copy).
+    `dests`: the payload's destination, as one buffer or several laid end to end (a client's
+    slot for the first bytes, memory it lent for the rest)."""
 
     key: RecordKey
-    dest: memoryview
+    dests: tuple[memoryview, ...]
     expect_tenant: bytes | None
     filled: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(len(d) for d in self.dests)
 
 
 def _read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
@@ -592,8 +598,8 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
                     pending.result()
                 start, stop = max(lo, HEADER_SIZE), min(got, file_bytes)
                 if stop > start:
-                    pending = helpers.submit(copy_hashing, target.dest[start - HEADER_SIZE:stop - HEADER_SIZE],
-                                             view[start:stop], hasher)
+                    pending = helpers.submit(copy_scattered, target.dests, start - HEADER_SIZE, view[start:stop],
+                                             hasher)
             if got < hi:
                 break
     finally:
@@ -612,7 +618,7 @@ def _delivery_header(head: memoryview, file_bytes: int, target: ReadTarget) -> i
     except RecordError:
         return None
     if header.key != target.key or header.flags or HEADER_SIZE + header.stored_length != file_bytes \
-            or len(target.dest) != header.stored_length \
+            or target.size != header.stored_length \
             or (target.expect_tenant is not None and header.tenant_id != target.expect_tenant):
         return None
     return checksum
@@ -1212,15 +1218,15 @@ class SSDTier(Tier):
         return result.record if result.record is not None else await self._finish_get(key, path, result)
 
     @contextlib.contextmanager
-    def reading_into(self, key: RecordKey, dest: memoryview, expect_tenant: bytes | None = None
-                     ) -> Iterator[ReadTarget]:
+    def reading_into(self, key: RecordKey, dest: memoryview | Sequence[memoryview],
+                     expect_tenant: bytes | None = None) -> Iterator[ReadTarget]:
         """While open, a `get` of `key` that reads a large record from the disk also copies its
-        payload into `dest` (`len(dest)` must be the payload's length), piece by piece as the
+        payload into `dest` (one buffer, or several laid end to end: as long as the payload together), piece by piece as the
         pieces arrive, hashing what it copies; `filled` then says whether `dest` holds the
         verified payload of the record returned. For a reader that wants the payload elsewhere
         (a client's shared memory): the copy overlaps the read instead of following it. A key
         that already has a target (another call reading it) gets one that is never filled."""
-        target = ReadTarget(key, dest, expect_tenant)
+        target = ReadTarget(key, (dest,) if isinstance(dest, memoryview) else tuple(dest), expect_tenant)
         if key in self._targets:
             yield target
             return

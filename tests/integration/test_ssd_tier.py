@@ -968,13 +968,13 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
         source = bytearray(want.payload)
         source[WRITE_PIECE_BYTES + 99] ^= 0x20  # corrupt in the second piece
         with tier.staging(len(want.payload)) as staged:
-            staged.defer_fill(memoryview(source), want.payload_sum())
+            staged.defer_fill([memoryview(source)], want.payload_sum())
             assert staged.pending
             with pytest.raises(RecordError, match="payload checksum mismatch"):
                 await tier.put(Record(want.header, staged.payload, want.payload_sum()))
         assert await tier.contains([want.key]) == [False] and files_under(tier._layout.root) == []
         with tier.staging(len(want.payload)) as staged:
-            staged.defer_fill(memoryview(bytearray(want.payload)), want.payload_sum())
+            staged.defer_fill([memoryview(bytearray(want.payload))], want.payload_sum())
             assert await tier.put(Record(want.header, staged.payload, want.payload_sum()))
             assert not staged.pending and bytes(staged.payload) == want.payload
         assert_same(await tier.get(want.key), want)
@@ -1005,7 +1005,7 @@ async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSD
 
     monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
     with tier.staging(len(want.payload)) as staged:
-        staged.defer_fill(memoryview(bytearray(want.payload)), want.payload_sum())
+        staged.defer_fill([memoryview(bytearray(want.payload))], want.payload_sum())
         assert await tier.put(Record(want.header, staged.payload, want.payload_sum()))
         assert not staged.pending
     monkeypatch.setattr(os, "pwrite", real_pwrite)

@@ -65,8 +65,9 @@ class ServerProcess:
 
 
 def make_lmcache_config(target: str, *, local_disk: str | None = None, remote: bool = True,
-                        max_local_cpu_gb: float = 0.25, **plugin: Any) -> Any:
-    """LMCacheEngineConfig as a user's YAML would give it (same keys, through `from_dict`)."""
+                        max_local_cpu_gb: float = 0.25, shm_name: str | None = None, **plugin: Any) -> Any:
+    """LMCacheEngineConfig as a user's YAML would give it (same keys, through `from_dict`);
+    `shm_name`: LMCache's CPU buffer in /dev/shm under that name."""
     from lmcache.v1.config import LMCacheEngineConfig
 
     doc: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": max_local_cpu_gb,
@@ -80,6 +81,8 @@ def make_lmcache_config(target: str, *, local_disk: str | None = None, remote: b
         plugin = {"lookup_timeout_s": 5.0, **plugin}
         extra.update({f"remote_storage_plugin.{PLUGIN}.{k}": v for k, v in plugin.items()})
         doc.update(remote_storage_plugins=[PLUGIN], extra_config=extra)
+    if shm_name is not None:
+        doc.setdefault("extra_config", {})["shm_name"] = shm_name
     if local_disk is not None:
         doc.update(local_disk=local_disk, max_local_disk_size=1.0)
     return LMCacheEngineConfig.from_dict(doc)

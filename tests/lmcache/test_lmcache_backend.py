@@ -99,6 +99,7 @@ def test_plugin_loads_through_lmcache_config(lm: LMCacheHarness) -> None:
     assert list(lm.manager.storage_backends) == ["LocalCPUBackend", "RemoteBackend-statestore"]
     assert type(lm.connector).__name__ == "StateStoreConnector"
     assert lm.connector.settings.namespace == "tests"
+    assert lm.connector.lent is None  # no `shm_name`: LMCache's buffer is private memory, nothing to lend
 
 
 def test_chunks_come_back_bit_exactly_from_statestore(lm: LMCacheHarness, stored: dict[Any, bytes]) -> None:
@@ -304,6 +305,32 @@ def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess) -> Non
         for o in objs:
             o.ref_count_down()
         assert lm.connector._client is not None and not lm.connector._client.shm_active
+    finally:
+        lm.close()
+
+
+def test_lmcache_buffer_in_shared_memory_is_lent_to_statestore(server: ServerProcess) -> None:
+    """LMCache's CPU buffer in /dev/shm (`shm_name`): the connector lends it to the server, so a
+    chunk's bytes go from LMCache's buffer to statestore and back without passing through the
+    connector's window; a partial chunk (another shape than the buffer allocated ahead) still
+    comes back bit-exactly, through its slot."""
+    name = f"statestore-test-{os.getpid()}-lent"
+    lm = LMCacheHarness(make_lmcache_config(server.target, namespace="lent", shm_name=name), make_lmcache_metadata())
+    try:
+        assert lm.connector.lent is not None and lm.connector.lent.path == f"/dev/shm/{name}"
+        expect = lm.store(list(range(600)), seed=13)  # two full chunks and a partial one
+        lm.wait_stored(list(expect))
+        objs = on_loop(lm, lm.connector.batched_get(list(expect)))
+        assert [bytes(o.byte_array) for o in objs] == list(expect.values())
+        assert [list(o.get_shapes()[0]) for o in objs][-1] == [2, 4, 88, 64]
+        for o in objs:
+            o.ref_count_down()
+        client = lm.connector._client
+        assert client is not None and client.shm_active and client.lent_active
+        window = bytes(client._transport._region.buf)
+        full, partial = list(expect.values())[:2], list(expect.values())[2]
+        assert all(chunk[-4096:] not in window for chunk in full)  # lent: never through the window
+        assert partial[-4096:] in window  # not the size allocated ahead: through its slot
     finally:
         lm.close()
 

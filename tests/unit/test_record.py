@@ -353,3 +353,36 @@ def test_copy_hashing_copies_and_hashes_what_it_copied(size: int, cuts: list[int
     if size:
         with pytest.raises(ValueError, match="copy_hashed"):
             copy_hashed(memoryview(bytearray(size - 1)), parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 * (256 << 10) + 33), st.lists(st.integers(0, 600_000), max_size=4),
+       st.integers(0, 600_000), st.integers(0, 600_000), st.booleans())
+def test_copy_gathered_and_scattered_treat_parts_as_one_buffer(size: int, cuts: list[int], a: int, b: int,
+                                                               hashed: bool) -> None:
+    """copy_gathered copies any range of parts laid end to end as if they were one buffer, and
+    copy_scattered writes any range of such parts; both hash exactly the bytes of the range, in
+    order, and refuse a range that runs past the parts' end."""
+    from tiers.record import copy_gathered, copy_scattered
+
+    src = bytes((i * 7 + 3) % 251 for i in range(size))
+    bounds = sorted({0, size, *(c for c in cuts if c < size)})
+    lo, hi = sorted((min(a, size), min(b, size)))
+    parts = [memoryview(src)[x:y] for x, y in zip(bounds, bounds[1:])]
+    dest = bytearray(hi - lo)
+    hasher = xxhash.xxh3_64() if hashed else None
+    copy_gathered(memoryview(dest), parts, lo, hasher)
+    assert dest == src[lo:hi]
+    if hasher is not None:
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src[lo:hi])
+    targets = [bytearray(y - x) for x, y in zip(bounds, bounds[1:])]
+    hasher = xxhash.xxh3_64() if hashed else None
+    copy_scattered([memoryview(t) for t in targets], lo, src[lo:hi], hasher)
+    joined = b"".join(targets)
+    assert joined[lo:hi] == src[lo:hi] and joined[:lo] == bytes(lo) and joined[hi:] == bytes(size - hi)
+    if hasher is not None:
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src[lo:hi])
+    with pytest.raises(ValueError, match="copy_gathered"):
+        copy_gathered(memoryview(bytearray(size - lo + 1)), parts, lo, None)
+    with pytest.raises(ValueError, match="copy_scattered"):
+        copy_scattered([memoryview(t) for t in targets], lo, src[lo:] + b"x", None)

@@ -27,18 +27,32 @@ class RecordChunk(_message.Message):
     def __init__(self, start: _Optional[_Union[RecordStart, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RecordStart(_message.Message):
-    __slots__ = ("key", "total_bytes", "durability", "pin", "found")
+    __slots__ = ("key", "total_bytes", "durability", "pin", "found", "lent_offset", "lent_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    LENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     total_bytes: int
     durability: Durability
     pin: bool
     found: bool
-    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: bool = ..., found: bool = ...) -> None: ...
+    lent_offset: int
+    lent_bytes: int
+    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: bool = ..., found: bool = ..., lent_offset: _Optional[int] = ..., lent_bytes: _Optional[int] = ...) -> None: ...
+
+class LentDestination(_message.Message):
+    __slots__ = ("total_bytes", "offset", "bytes")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    offset: int
+    bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RecordInfo(_message.Message):
     __slots__ = ("key", "kind", "kind_name", "size_bytes", "tiers", "pinned", "durability", "created_at", "last_access", "access_count", "model_fingerprint", "token_start", "token_end", "retention", "explain_json")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.statestore.v1 import common_pb2 as proto_dot_statestore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/statestore/v1/statestore.proto\x12\rstatestore.v1\x1a proto/statestore/v1/common.proto\"\x82\x01\n\rStateSpecInfo\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x11\n\tretention\x18\x02 \x01(\r\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x01\x12\x1a\n\x12\x62ytes_per_sequence\x18\x05 \x01(\x04\x12\x0c\n\x04name\x18\x06 \x01(\t\"\x98\x01\n\x14RegisterModelRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nweights_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x16\n\x0elayout_version\x18\x04 \x01(\r\x12+\n\x05specs\x18\x05 \x03(\x0b\x32\x1c.statestore.v1.StateSpecInfo\"B\n\x15RegisterModelResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x0e\n\x06hosted\x18\x02 \x01(\x08\"\x83\x01\n\rLookupRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x0c\x12\r\n\x05kinds\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\x0c\"\xff\x01\n\x0eLookupResponse\x12\x17\n\x0f\x63ombined_blocks\x18\x01 \x01(\x04\x12+\n\x08per_tier\x18\x02 \x03(\x0b\x32\x19.statestore.v1.TierBlocks\x12/\n\rbytes_to_load\x18\x03 \x03(\x0b\x32\x18.statestore.v1.TierBytes\x12\x18\n\x10persisted_tokens\x18\x04 \x01(\x04\x12-\n\x06replay\x18\x05 \x01(\x0b\x32\x1d.statestore.v1.ReplayPlanInfo\x12\x18\n\x10\x65st_load_seconds\x18\x06 \x01(\x01\x12\x13\n\x0b\x65st_seconds\x18\x07 \x01(\x01\"*\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\"C\n\x12PutRecordsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.statestore.v1.PutResultInfo\"k\n\rPutResultInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12-\n\ndurability\x18\x02 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\r\n\x05tiers\x18\x03 \x03(\t\x12\x0f\n\x07\x65victed\x18\x04 \x01(\r\"6\n\x11GetRecordsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"Q\n\x12RequestDoneRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x0c\x12\r\n\x05kinds\x18\x02 \x03(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x04\",\n\x13RequestDoneResponse\x12\x15\n\rknown_records\x18\x01 \x01(\x04\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1f\n\x0cKeysResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\":\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"<\n\rEvictResponse\x12+\n\x07\x65victed\x18\x01 \x03(\x0b\x32\x1a.statestore.v1.EvictedInfo\")\n\x0b\x45victedInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\"\x0e\n\x0cStatsRequest\"\xdc\x01\n\rStatsResponse\x12+\n\x05tiers\x18\x01 \x03(\x0b\x32\x1c.statestore.v1.TierStatsInfo\x12+\n\x05kinds\x18\x02 \x03(\x0b\x32\x1c.statestore.v1.KindStatsInfo\x12\x13\n\x0bnum_records\x18\x03 \x01(\x04\x12\x15\n\rlive_sessions\x18\x04 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\x0c\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x07 \x01(\x01\"\x81\x01\n\rTierStatsInfo\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ill\x18\x04 \x01(\x01\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x15\n\rreserve_bytes\x18\x06 \x01(\x04\"\xb0\x01\n\rKindStatsInfo\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x11\n\tkind_name\x18\x03 \x01(\t\x12\x13\n\x0bnum_records\x18\x04 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\"*\n\x0bListRequest\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\r\n\x05limit\x18\x02 \x01(\r\"M\n\x0cListResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.statestore.v1.RecordInfo\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\x1d\n\x0eInspectRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x32\xb2\x06\n\nStateStore\x12Z\n\rRegisterModel\x12#.statestore.v1.RegisterModelRequest\x1a$.statestore.v1.RegisterModelResponse\x12\x45\n\x06Lookup\x12\x1c.statestore.v1.LookupRequest\x1a\x1d.statestore.v1.LookupResponse\x12M\n\nPutRecords\x12\x1a.statestore.v1.RecordChunk\x1a!.statestore.v1.PutRecordsResponse(\x01\x12L\n\nGetRecords\x12 .statestore.v1.GetRecordsRequest\x1a\x1a.statestore.v1.RecordChunk0\x01\x12>\n\x03Pin\x12\x1a.statestore.v1.KeysRequest\x1a\x1b.statestore.v1.KeysResponse\x12@\n\x05Unpin\x12\x1a.statestore.v1.KeysRequest\x1a\x1b.statestore.v1.KeysResponse\x12\x42\n\x05\x45vict\x12\x1b.statestore.v1.EvictRequest\x1a\x1c.statestore.v1.EvictResponse\x12\x42\n\x05Stats\x12\x1b.statestore.v1.StatsRequest\x1a\x1c.statestore.v1.StatsResponse\x12?\n\x04List\x12\x1a.statestore.v1.ListRequest\x1a\x1b.statestore.v1.ListResponse\x12\x43\n\x07Inspect\x12\x1d.statestore.v1.InspectRequest\x1a\x19.statestore.v1.RecordInfo\x12T\n\x0bRequestDone\x12!.statestore.v1.RequestDoneRequest\x1a\".statestore.v1.RequestDoneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/statestore/v1/statestore.proto\x12\rstatestore.v1\x1a proto/statestore/v1/common.proto\"\x82\x01\n\rStateSpecInfo\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x11\n\tretention\x18\x02 \x01(\r\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x01\x12\x1a\n\x12\x62ytes_per_sequence\x18\x05 \x01(\x04\x12\x0c\n\x04name\x18\x06 \x01(\t\"\x98\x01\n\x14RegisterModelRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nweights_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x16\n\x0elayout_version\x18\x04 \x01(\r\x12+\n\x05specs\x18\x05 \x03(\x0b\x32\x1c.statestore.v1.StateSpecInfo\"B\n\x15RegisterModelResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x0e\n\x06hosted\x18\x02 \x01(\x08\"\x83\x01\n\rLookupRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x0c\x12\r\n\x05kinds\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\x0c\"\xff\x01\n\x0eLookupResponse\x12\x17\n\x0f\x63ombined_blocks\x18\x01 \x01(\x04\x12+\n\x08per_tier\x18\x02 \x03(\x0b\x32\x19.statestore.v1.TierBlocks\x12/\n\rbytes_to_load\x18\x03 \x03(\x0b\x32\x18.statestore.v1.TierBytes\x12\x18\n\x10persisted_tokens\x18\x04 \x01(\x04\x12-\n\x06replay\x18\x05 \x01(\x0b\x32\x1d.statestore.v1.ReplayPlanInfo\x12\x18\n\x10\x65st_load_seconds\x18\x06 \x01(\x01\x12\x13\n\x0b\x65st_seconds\x18\x07 \x01(\x01\"*\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\"C\n\x12PutRecordsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.statestore.v1.PutResultInfo\"k\n\rPutResultInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12-\n\ndurability\x18\x02 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\r\n\x05tiers\x18\x03 \x03(\t\x12\x0f\n\x07\x65victed\x18\x04 \x01(\r\"d\n\x11GetRecordsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\x12,\n\x04lent\x18\x03 \x03(\x0b\x32\x1e.statestore.v1.LentDestination\"Q\n\x12RequestDoneRequest\x12\x12\n\nblock_keys\x18\x01 \x03(\x0c\x12\r\n\x05kinds\x18\x02 \x03(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x04\",\n\x13RequestDoneResponse\x12\x15\n\rknown_records\x18\x01 \x01(\x04\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1f\n\x0cKeysResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\":\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"<\n\rEvictResponse\x12+\n\x07\x65victed\x18\x01 \x03(\x0b\x32\x1a.statestore.v1.EvictedInfo\")\n\x0b\x45victedInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05tiers\x18\x02 \x03(\t\"\x0e\n\x0cStatsRequest\"\xdc\x01\n\rStatsResponse\x12+\n\x05tiers\x18\x01 \x03(\x0b\x32\x1c.statestore.v1.TierStatsInfo\x12+\n\x05kinds\x18\x02 \x03(\x0b\x32\x1c.statestore.v1.KindStatsInfo\x12\x13\n\x0bnum_records\x18\x03 \x01(\x04\x12\x15\n\rlive_sessions\x18\x04 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\x0c\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x07 \x01(\x01\"\x81\x01\n\rTierStatsInfo\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ill\x18\x04 \x01(\x01\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x15\n\rreserve_bytes\x18\x06 \x01(\x04\"\xb0\x01\n\rKindStatsInfo\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x11\n\tkind_name\x18\x03 \x01(\t\x12\x13\n\x0bnum_records\x18\x04 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\"*\n\x0bListRequest\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\r\n\x05limit\x18\x02 \x01(\r\"M\n\x0cListResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.statestore.v1.RecordInfo\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\x1d\n\x0eInspectRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x32\xb2\x06\n\nStateStore\x12Z\n\rRegisterModel\x12#.statestore.v1.RegisterModelRequest\x1a$.statestore.v1.RegisterModelResponse\x12\x45\n\x06Lookup\x12\x1c.statestore.v1.LookupRequest\x1a\x1d.statestore.v1.LookupResponse\x12M\n\nPutRecords\x12\x1a.statestore.v1.RecordChunk\x1a!.statestore.v1.PutRecordsResponse(\x01\x12L\n\nGetRecords\x12 .statestore.v1.GetRecordsRequest\x1a\x1a.statestore.v1.RecordChunk0\x01\x12>\n\x03Pin\x12\x1a.statestore.v1.KeysRequest\x1a\x1b.statestore.v1.KeysResponse\x12@\n\x05Unpin\x12\x1a.statestore.v1.KeysRequest\x1a\x1b.statestore.v1.KeysResponse\x12\x42\n\x05\x45vict\x12\x1b.statestore.v1.EvictRequest\x1a\x1c.statestore.v1.EvictResponse\x12\x42\n\x05Stats\x12\x1b.statestore.v1.StatsRequest\x1a\x1c.statestore.v1.StatsResponse\x12?\n\x04List\x12\x1a.statestore.v1.ListRequest\x1a\x1b.statestore.v1.ListResponse\x12\x43\n\x07Inspect\x12\x1d.statestore.v1.InspectRequest\x1a\x19.statestore.v1.RecordInfo\x12T\n\x0bRequestDone\x12!.statestore.v1.RequestDoneRequest\x1a\".statestore.v1.RequestDoneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,35 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTRESULTINFO']._serialized_start=950
   _globals['_PUTRESULTINFO']._serialized_end=1057
   _globals['_GETRECORDSREQUEST']._serialized_start=1059
-  _globals['_GETRECORDSREQUEST']._serialized_end=1113
-  _globals['_REQUESTDONEREQUEST']._serialized_start=1115
-  _globals['_REQUESTDONEREQUEST']._serialized_end=1196
-  _globals['_REQUESTDONERESPONSE']._serialized_start=1198
-  _globals['_REQUESTDONERESPONSE']._serialized_end=1242
-  _globals['_KEYSREQUEST']._serialized_start=1244
-  _globals['_KEYSREQUEST']._serialized_end=1271
-  _globals['_KEYSRESPONSE']._serialized_start=1273
-  _globals['_KEYSRESPONSE']._serialized_end=1304
-  _globals['_EVICTREQUEST']._serialized_start=1306
-  _globals['_EVICTREQUEST']._serialized_end=1364
-  _globals['_EVICTRESPONSE']._serialized_start=1366
-  _globals['_EVICTRESPONSE']._serialized_end=1426
-  _globals['_EVICTEDINFO']._serialized_start=1428
-  _globals['_EVICTEDINFO']._serialized_end=1469
-  _globals['_STATSREQUEST']._serialized_start=1471
-  _globals['_STATSREQUEST']._serialized_end=1485
-  _globals['_STATSRESPONSE']._serialized_start=1488
-  _globals['_STATSRESPONSE']._serialized_end=1708
-  _globals['_TIERSTATSINFO']._serialized_start=1711
-  _globals['_TIERSTATSINFO']._serialized_end=1840
-  _globals['_KINDSTATSINFO']._serialized_start=1843
-  _globals['_KINDSTATSINFO']._serialized_end=2019
-  _globals['_LISTREQUEST']._serialized_start=2021
-  _globals['_LISTREQUEST']._serialized_end=2063
-  _globals['_LISTRESPONSE']._serialized_start=2065
-  _globals['_LISTRESPONSE']._serialized_end=2142
-  _globals['_INSPECTREQUEST']._serialized_start=2144
-  _globals['_INSPECTREQUEST']._serialized_end=2173
-  _globals['_STATESTORE']._serialized_start=2176
-  _globals['_STATESTORE']._serialized_end=2994
+  _globals['_GETRECORDSREQUEST']._serialized_end=1159
+  _globals['_REQUESTDONEREQUEST']._serialized_start=1161
+  _globals['_REQUESTDONEREQUEST']._serialized_end=1242
+  _globals['_REQUESTDONERESPONSE']._serialized_start=1244
+  _globals['_REQUESTDONERESPONSE']._serialized_end=1288
+  _globals['_KEYSREQUEST']._serialized_start=1290
+  _globals['_KEYSREQUEST']._serialized_end=1317
+  _globals['_KEYSRESPONSE']._serialized_start=1319
+  _globals['_KEYSRESPONSE']._serialized_end=1350
+  _globals['_EVICTREQUEST']._serialized_start=1352
+  _globals['_EVICTREQUEST']._serialized_end=1410
+  _globals['_EVICTRESPONSE']._serialized_start=1412
+  _globals['_EVICTRESPONSE']._serialized_end=1472
+  _globals['_EVICTEDINFO']._serialized_start=1474
+  _globals['_EVICTEDINFO']._serialized_end=1515
+  _globals['_STATSREQUEST']._serialized_start=1517
+  _globals['_STATSREQUEST']._serialized_end=1531
+  _globals['_STATSRESPONSE']._serialized_start=1534
+  _globals['_STATSRESPONSE']._serialized_end=1754
+  _globals['_TIERSTATSINFO']._serialized_start=1757
+  _globals['_TIERSTATSINFO']._serialized_end=1886
+  _globals['_KINDSTATSINFO']._serialized_start=1889
+  _globals['_KINDSTATSINFO']._serialized_end=2065
+  _globals['_LISTREQUEST']._serialized_start=2067
+  _globals['_LISTREQUEST']._serialized_end=2109
+  _globals['_LISTRESPONSE']._serialized_start=2111
+  _globals['_LISTRESPONSE']._serialized_end=2188
+  _globals['_INSPECTREQUEST']._serialized_start=2190
+  _globals['_INSPECTREQUEST']._serialized_end=2219
+  _globals['_STATESTORE']._serialized_start=2222
+  _globals['_STATESTORE']._serialized_end=3040
 # @@protoc_insertion_point(module_scope)

@@ -106,12 +106,14 @@ class PutResultInfo(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., durability: _Optional[_Union[_common_pb2.Durability, str]] = ..., tiers: _Optional[_Iterable[str]] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class GetRecordsRequest(_message.Message):
-    __slots__ = ("keys", "chunk_bytes")
+    __slots__ = ("keys", "chunk_bytes", "lent")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunk_bytes: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    lent: _containers.RepeatedCompositeFieldContainer[_common_pb2.LentDestination]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., lent: _Optional[_Iterable[_Union[_common_pb2.LentDestination, _Mapping]]] = ...) -> None: ...
 
 class RequestDoneRequest(_message.Message):
     __slots__ = ("block_keys", "kinds", "generated_tokens")
