@@ -25,9 +25,11 @@ put every chunk, one at a time, waiting for it to be stored; then get each):
   shared memory (statestore/shm.py);
 - `statestore-ssd-grpc`: the SSD path with the plugin's shared memory off (gRPC frames: what a
   client on another host gets);
-- every LMCache StorageManager here (both sides) keeps its CPU buffer in /dev/shm (`shm_name`,
-  one name per manager), as the plugin's documented config does: the plugin lends that buffer
-  to the server, so chunks are not copied in the plugin (statestore/shm.py, "Lent memory");
+- the StorageManagers with our plugin keep LMCache's CPU buffer in /dev/shm (`shm_name`, one
+  name per manager), as the plugin's documented config does: the plugin lends that buffer to
+  the server, so chunks are not copied in the plugin (statestore/shm.py, "Lent memory").
+  LMCache's own paths keep its default private buffer: its O_DIRECT reads into /dev/shm pages
+  took ~2x as long on the development VM (4 KiB shmem pages split each request);
 - `ref: ssd-tier-alone`: statestore's SSD tier in the bench process, the same bytes as records
   (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine;
 - `lmcache-disk-odirect-full` / `statestore-ssd-full`: the two as full caches, the steady state
@@ -130,8 +132,7 @@ def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     doc: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True, "max_local_cpu_size": cpu_bytes / 1e9,
-                           "remote_serde": "naive", "blocking_timeout_secs": 120,
-                           "extra_config": {"shm_name": f"statestore-bench-{os.getpid()}-{next(_SHM_NAMES)}"}}
+                           "remote_serde": "naive", "blocking_timeout_secs": 120, "extra_config": {}}
     if disk_dir is not None:
         # LMCache reads max_local_disk_size in GiB (x 1024**3); disk_bytes = 0: as large as the RAM tier
         doc.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=(disk_bytes / 2**30) if disk_bytes
@@ -139,7 +140,8 @@ def make_manager(model: dict[str, Any], cpu_bytes: int, *, disk_dir: Path | None
         doc["extra_config"]["use_odirect"] = odirect
     if redis:
         doc["remote_url"] = REDIS_URL
-    if target:
+    if target:  # our plugin's documented config: LMCache's buffer in /dev/shm, lent to the server
+        doc["extra_config"]["shm_name"] = f"statestore-bench-{os.getpid()}-{next(_SHM_NAMES)}"
         p = f"remote_storage_plugin.{PLUGIN}."
         doc["remote_storage_plugins"] = [PLUGIN]
         doc["extra_config"].update({p + "module_path": "statestore.integrations.lmcache",

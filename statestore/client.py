@@ -578,7 +578,8 @@ class _Frames:
         if chunk.WhichOneof("part") == "data":
             return memoryview(chunk.data)
         start = chunk.start
-        return StartInfo(bytes(start.key), start.found, start.total_bytes, start.lent_offset, start.lent_bytes)
+        return StartInfo(bytes(start.key), start.found, start.total_bytes, start.lent_offset, start.lent_bytes,
+                         start.verified)
 
 
 _FRAMES = _Frames()

@@ -106,6 +106,7 @@ class StartInfo:
     total_bytes: int
     lent_offset: int = 0
     lent_bytes: int = 0
+    verified: bool = False  # the server hashed the payload as it delivered it into lent memory
 
 
 class FrameCodec(Protocol):
@@ -183,6 +184,7 @@ class _Incoming:
         self.checksum = 0
         self.dest: memoryview | None = None
         self.given: Any = None
+        self.verified = False
         self.filled = 0
         self.received = 0
         self.failed: str | None = None
@@ -254,18 +256,22 @@ class _Incoming:
             for start in range(0, len(rest), HASH_BLOCK_BYTES):
                 self._fill(rest[start:start + HASH_BLOCK_BYTES])
 
-    def take_in_place(self, view: memoryview) -> None:
+    def take_in_place(self, view: memoryview, verified: bool = False) -> None:
         """The rest of the record already lies in the sink's dest (delivered into lent memory):
-        hash it there."""
+        hash it there, unless the server says it hashed exactly those bytes as it delivered them
+        (`verified`: the checksum is then the server's, over the bytes in the caller's memory)."""
         assert self.dest is not None and len(view) == len(self.dest) - self.filled
-        self.hasher.update(view)
+        if verified:
+            self.verified = True
+        else:
+            self.hasher.update(view)
         self.filled = len(self.dest)
 
     def finish(self) -> bool:
         if self.failed is None:
             if self.dest is None or self.filled != len(self.dest):
                 self.fail(f"stream ended after {self.received} of {self.total_bytes} bytes")
-            elif self.hasher.intdigest() != self.checksum:
+            elif not self.verified and self.hasher.intdigest() != self.checksum:
                 self.fail("payload checksum mismatch")
         ok = self.failed is None
         if self.dest is not None:
@@ -488,7 +494,7 @@ class PayloadTransport:
                     current = incoming  # its bytes follow as data frames
                 else:
                     assert region is not None
-                    out.append(await _deliver_from_slot(region, at, incoming, lent))
+                    out.append(await _deliver_from_slot(region, at, incoming, lent, msg.verified and lent is not None))
             if current is not None:
                 out.append(current.finish())
                 current = None
@@ -548,11 +554,13 @@ def _lent_span(start: StartInfo, asked: LentSpan | None) -> LentSpan | None:
     return asked
 
 
-async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming, lent: LentSpan | None = None) -> bool:
+async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming, lent: LentSpan | None = None,
+                             verified: bool = False) -> bool:
     """A record the server put in a shm slot, into the sink: header and head read in place, the
     rest copied (off the loop when large), the checksum over what the sink got. With `lent`,
     the record's last bytes lie in that span: taken in place when the sink's dest is the span's
-    own view (hashed only), else copied like the rest."""
+    own view (hashed only, or not at all when the server `verified` them as it delivered them),
+    else copied like the rest."""
     in_slot = incoming.total_bytes - (len(lent.view) if lent is not None else 0)
     slot = memoryview(region.buf)[at:at + in_slot]
     try:
@@ -565,10 +573,11 @@ async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming, le
                 raise RecordError("a truncated record in its slot")
             incoming.received = incoming.total_bytes
             if lent is not None and used == in_slot and incoming.given is lent.view:
-                work = functools.partial(incoming.take_in_place, lent.view)
+                work = functools.partial(incoming.take_in_place, lent.view, verified)
             else:
                 work = functools.partial(incoming.fill_from_parts, parts, used)
-            if incoming.total_bytes - used >= COPY_OFF_LOOP_BYTES:
+                verified = False
+            if incoming.total_bytes - used >= COPY_OFF_LOOP_BYTES and not verified:
                 await asyncio.to_thread(work)
             else:
                 work()

@@ -385,7 +385,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                         write_slot_header(shm_buf, slots.take(total - (into.bytes if into else 0)), record)
                         yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
                             key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
-                            lent_bytes=into.bytes if into else 0))
+                            lent_bytes=into.bytes if into else 0, verified=into is not None))
                         sent_bytes += total
                         continue
                 else:

@@ -160,6 +160,23 @@ async def test_lent_memory_moves_the_bulk_without_the_window(server: StateStoreS
         for i in (0, 1, 3):  # the bulk never passed through the window
             assert bodies[i][-4096:] not in window, i
         assert bodies[2][-4096:] in window  # its destination named another size: it came in its slot
+        # The starts say where the bulk went and whether the server hashed it there (an SSD read
+        # delivering it: the client then skips its own pass); a host hit is copied, not verified.
+        await c.evict(keys[1:2], ["host"], force=True)  # the get promoted it: read it from the SSD tier again
+        transport = c._transport
+        window = transport._region.window(DATA_OFFSET, 12 << 20)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            get = channel.unary_stream("/statestore.v1.StateStore/GetRecords",
+                                       request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,
+                                       response_deserializer=common_pb2.RecordChunk.FromString)
+            request = statestore_pb2.GetRecordsRequest(keys=keys[:2], lent=[
+                common_pb2.LentDestination(total_bytes=items[i].total_bytes, offset=dests[i], bytes=sizes[i])
+                for i in range(2)])
+            starts = [m.start async for m in get(request, metadata=(("authorization", f"Bearer {TOKEN}"),
+                                                                    window.to_metadata(),
+                                                                    transport._lent.to_metadata()))]
+        assert [(s.lent_offset, s.lent_bytes) for s in starts] == [(dests[0], sizes[0]), (dests[1], sizes[1])]
+        assert [s.verified for s in starts] == [False, True]
         records = await c.get_records(keys)  # and what is stored is the record as put
         assert [bytes(r.payload) for r in records] == [f"lent-{n}".encode() + b for n, b in enumerate(bodies)]
         assert not server.ssd._targets and not server.ssd._staged

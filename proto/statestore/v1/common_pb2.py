@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/statestore/v1/common.proto\x12\rstatestore.v1\"R\n\x0bRecordChunk\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.statestore.v1.RecordStartH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xa3\x01\n\x0bRecordStart\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12-\n\ndurability\x18\x03 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\x0b\n\x03pin\x18\x04 \x01(\x08\x12\r\n\x05\x66ound\x18\x05 \x01(\x08\x12\x13\n\x0blent_offset\x18\x06 \x01(\x04\x12\x12\n\nlent_bytes\x18\x07 \x01(\x04\"E\n\x0fLentDestination\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\xe1\x02\n\nRecordInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x11\n\tkind_name\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\'\n\x05tiers\x18\x05 \x03(\x0b\x32\x18.statestore.v1.TierBytes\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12-\n\ndurability\x18\x07 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x13\n\x0blast_access\x18\t \x01(\x01\x12\x14\n\x0c\x61\x63\x63\x65ss_count\x18\n \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\x0c\x12\x13\n\x0btoken_start\x18\x0c \x01(\x04\x12\x11\n\ttoken_end\x18\r \x01(\x04\x12\x11\n\tretention\x18\x0e \x01(\t\x12\x14\n\x0c\x65xplain_json\x18\x0f \x01(\t\"(\n\tTierBytes\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x8c\x01\n\x0eReplayPlanInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x18\n\x10persisted_tokens\x18\x03 \x01(\x04\x12\x15\n\rreplay_tokens\x18\x04 \x01(\x04\x12\x12\n\nrow_layers\x18\x05 \x01(\x04\x12\x13\n\x0b\x65st_seconds\x18\x06 \x01(\x01*l\n\nDurability\x12\x1a\n\x16\x44URABILITY_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44URABILITY_MEMORY\x10\x01\x12\x14\n\x10\x44URABILITY_LOCAL\x10\x02\x12\x15\n\x11\x44URABILITY_SHARED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/statestore/v1/common.proto\x12\rstatestore.v1\"R\n\x0bRecordChunk\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.statestore.v1.RecordStartH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xb5\x01\n\x0bRecordStart\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12-\n\ndurability\x18\x03 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\x0b\n\x03pin\x18\x04 \x01(\x08\x12\r\n\x05\x66ound\x18\x05 \x01(\x08\x12\x13\n\x0blent_offset\x18\x06 \x01(\x04\x12\x12\n\nlent_bytes\x18\x07 \x01(\x04\x12\x10\n\x08verified\x18\x08 \x01(\x08\"E\n\x0fLentDestination\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\xe1\x02\n\nRecordInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x11\n\tkind_name\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\'\n\x05tiers\x18\x05 \x03(\x0b\x32\x18.statestore.v1.TierBytes\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12-\n\ndurability\x18\x07 \x01(\x0e\x32\x19.statestore.v1.Durability\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x13\n\x0blast_access\x18\t \x01(\x01\x12\x14\n\x0c\x61\x63\x63\x65ss_count\x18\n \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\x0c\x12\x13\n\x0btoken_start\x18\x0c \x01(\x04\x12\x11\n\ttoken_end\x18\r \x01(\x04\x12\x11\n\tretention\x18\x0e \x01(\t\x12\x14\n\x0c\x65xplain_json\x18\x0f \x01(\t\"(\n\tTierBytes\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x8c\x01\n\x0eReplayPlanInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x18\n\x10persisted_tokens\x18\x03 \x01(\x04\x12\x15\n\rreplay_tokens\x18\x04 \x01(\x04\x12\x12\n\nrow_layers\x18\x05 \x01(\x04\x12\x13\n\x0b\x65st_seconds\x18\x06 \x01(\x01*l\n\nDurability\x12\x1a\n\x16\x44URABILITY_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44URABILITY_MEMORY\x10\x01\x12\x14\n\x10\x44URABILITY_LOCAL\x10\x02\x12\x15\n\x11\x44URABILITY_SHARED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.statestore.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DURABILITY']._serialized_start=913
-  _globals['_DURABILITY']._serialized_end=1021
+  _globals['_DURABILITY']._serialized_start=931
+  _globals['_DURABILITY']._serialized_end=1039
   _globals['_RECORDCHUNK']._serialized_start=51
   _globals['_RECORDCHUNK']._serialized_end=133
   _globals['_RECORDSTART']._serialized_start=136
-  _globals['_RECORDSTART']._serialized_end=299
-  _globals['_LENTDESTINATION']._serialized_start=301
-  _globals['_LENTDESTINATION']._serialized_end=370
-  _globals['_RECORDINFO']._serialized_start=373
-  _globals['_RECORDINFO']._serialized_end=726
-  _globals['_TIERBYTES']._serialized_start=728
-  _globals['_TIERBYTES']._serialized_end=768
-  _globals['_REPLAYPLANINFO']._serialized_start=771
-  _globals['_REPLAYPLANINFO']._serialized_end=911
+  _globals['_RECORDSTART']._serialized_end=317
+  _globals['_LENTDESTINATION']._serialized_start=319
+  _globals['_LENTDESTINATION']._serialized_end=388
+  _globals['_RECORDINFO']._serialized_start=391
+  _globals['_RECORDINFO']._serialized_end=744
+  _globals['_TIERBYTES']._serialized_start=746
+  _globals['_TIERBYTES']._serialized_end=786
+  _globals['_REPLAYPLANINFO']._serialized_start=789
+  _globals['_REPLAYPLANINFO']._serialized_end=929
 # @@protoc_insertion_point(module_scope)
