@@ -564,10 +564,10 @@ class _Frames:
 
     @staticmethod
     def start_frame(key: bytes, total_bytes: int, durability: int, pin: bool, lent_offset: int = 0,
-                    lent_bytes: int = 0) -> bytes:
+                    lent_bytes: int = 0, checksum_by_server: bool = False) -> bytes:
         return common_pb2.RecordChunk(start=common_pb2.RecordStart(
             key=key, total_bytes=total_bytes, durability=durability, pin=pin, lent_offset=lent_offset,
-            lent_bytes=lent_bytes)).SerializeToString()
+            lent_bytes=lent_bytes, checksum_by_server=checksum_by_server)).SerializeToString()
 
     @staticmethod
     def read_frame(frame: bytes) -> memoryview | StartInfo:

@@ -113,7 +113,7 @@ class FrameCodec(Protocol):
     """The protobuf side of the stream (implemented in client.py)."""
 
     def start_frame(self, key: bytes, total_bytes: int, durability: int, pin: bool, lent_offset: int = 0,
-                    lent_bytes: int = 0) -> bytes: ...
+                    lent_bytes: int = 0, checksum_by_server: bool = False) -> bytes: ...
 
     def read_frame(self, frame: bytes) -> memoryview | StartInfo: ...
 
@@ -149,26 +149,30 @@ def put_frames(encoded_header: bytes, parts: Sequence[Buffer | LentSpan], step: 
         yield data_frame(*pending)
 
 
-def _copy_into_slot(buf: Any, offset: int, item: PayloadPut, lent: bool = False) -> None:
+def _copy_into_slot(buf: Any, offset: int, item: PayloadPut, lent: bool = False, hashed: bool = True) -> None:
     """The encoded record into its shm slot: the parts copied in blocks, each hashed right
     after its copy (still in cache: one pass over memory instead of two), then the header with
-    that checksum. `lent`: the item's `LentSpan` stays where it lies and is only hashed."""
+    that checksum. `lent`: the item's `LentSpan` stays where it lies and is only hashed;
+    `hashed` False: nothing is hashed and the header's checksum is left zero, for the server
+    to take (`RecordStart.checksum_by_server`)."""
     view = memoryview(buf)
     try:
-        hasher = xxhash.xxh3_64()
+        hasher = xxhash.xxh3_64() if hashed else None
         at = offset + HEADER_SIZE
         for part in item.parts:
             if lent and isinstance(part, LentSpan):
-                hasher.update(part.view)
+                if hasher is not None:
+                    hasher.update(part.view)
                 continue
             flat = _flat(part)
             for start in range(0, len(flat), HASH_BLOCK_BYTES):
                 block = flat[start:start + HASH_BLOCK_BYTES]
                 view[at:at + len(block)] = block
-                hasher.update(block)
+                if hasher is not None:
+                    hasher.update(block)
                 at += len(block)
         view[offset:offset + HEADER_SIZE] = encode_header(item.header, stored_length=item.header.raw_length, flags=0,
-                                                          checksum=hasher.intdigest())
+                                                          checksum=hasher.intdigest() if hasher is not None else 0)
     finally:
         view.release()
 
@@ -409,14 +413,18 @@ class PayloadTransport:
         starts = []
         for item in items:
             span = item.lent if lent is not None else None
-            at = slots.take(item.total_bytes - (len(span.view) if span else 0))
+            in_slot = item.total_bytes - (len(span.view) if span else 0)
+            at = slots.take(in_slot)
             assert at is not None, "the lease was sized for every item"
-            if item.total_bytes >= COPY_OFF_LOOP_BYTES:  # checksum and copy off the loop
+            # A large lent span is left to the server to hash as it copies it out (one pass over
+            # that memory instead of two); the rest of the record is small then: copied here.
+            by_server = span is not None and len(span.view) >= COPY_OFF_LOOP_BYTES
+            if not by_server and item.total_bytes >= COPY_OFF_LOOP_BYTES:  # checksum and copy off the loop
                 await asyncio.to_thread(_copy_into_slot, region.buf, at, item, span is not None)
             else:
-                _copy_into_slot(region.buf, at, item, span is not None)
+                _copy_into_slot(region.buf, at, item, span is not None, hashed=not by_server)
             starts.append(self._codec.start_frame(item.header.key, item.total_bytes, durability, pin,
-                                                  *((span.offset, len(span.view)) if span else ())))
+                                                  *((span.offset, len(span.view), by_server) if span else ())))
         metadata = (*self._metadata, window.to_metadata(), *((lent.to_metadata(),) if lent is not None else ()))
         return await self._put(iter(starts), metadata=metadata, timeout=self._timeout)
 

@@ -14,13 +14,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from proto.statestore.v1 import common_pb2
 from statestore.messages import record_key
 from statestore.rpc import BadField
 from statestore.wire import OFFLOAD_BYTES, PartsChecksum, copy_hashed, split_data_frame
-from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES, Record, RecordError, decode_header
+from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES, Record, RecordError, decode_header, encode_header
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,8 @@ class Stager:
             raise RuntimeError("a LOCAL put was acknowledged without the SSD tier's write verifying its payload")
 
     async def join(self, parts: Sequence[bytes | memoryview], start: common_pb2.RecordStart,
-                   payload_sum: int | None, shared: bool, *, defer: bool = False) -> Record | None:
+                   payload_sum: int | None, shared: bool, *, defer: bool = False,
+                   checksum_by_server: bool = False) -> Record | None:
         """The verified record, its payload in a staged buffer; None when it is not worth
         staging (small, or in one message frame: kept as a view) or cannot be (compressed, a
         foreign split of the header): `join_parts` then. RecordError as `join_parts` says it.
@@ -153,7 +155,11 @@ class Stager:
         becomes visible (`tiers._fs.Staged.defer_fill`); a mismatch fails the put with the same
         INVALID_ARGUMENT and leaves nothing. The SSD tier is a LOCAL put's first write (the
         store writes the durability tier before any cache copy), so nothing reads the payload
-        before it is verified."""
+        before it is verified.
+
+        `checksum_by_server` (the header's checksum is not the client's, `RecordStart`): only a
+        deferred record is staged, its fill taking the checksum for the header written last;
+        for any other the call returns None (see `with_server_checksum`)."""
         total = start.total_bytes
         if self._ssd is None or total < STAGE_MIN_BYTES or self._num_staged >= MAX_STAGED_PER_CALL \
                 or (len(parts) == 1 and not shared) or len(parts[0]) < HEADER_SIZE:
@@ -166,15 +172,19 @@ class Stager:
             raise RecordError(f"truncated payload: {have} of {header.stored_length} bytes"
                               if have < header.stored_length else
                               f"{have - header.stored_length} trailing bytes after the payload")
+        deferred = defer and shared and total >= DEFER_FILL_MIN_BYTES
+        if checksum_by_server and not deferred:
+            return None
         staged = self._stack.enter_context(self._ssd.staging(header.stored_length))
         self._num_staged += 1
         pieces = [memoryview(parts[0])[HEADER_SIZE:], *parts[1:]]
-        if defer and shared and total >= DEFER_FILL_MIN_BYTES:
+        if deferred:
             if header.key != start.key:
                 raise RecordError("record key does not match the key it was stored under")
-            staged.defer_fill([memoryview(p) for p in pieces], checksum)
+            taken = None if checksum_by_server else checksum  # None: the fill takes it
+            staged.defer_fill([memoryview(p) for p in pieces], taken)
             self._deferred.append(staged)
-            return Record(header, staged.payload, checksum)
+            return Record(header, staged.payload, taken)
         hash_parts = shared or payload_sum is None
         if total >= OFFLOAD_BYTES:
             got = await asyncio.to_thread(copy_hashed, staged.dest, pieces, hash_parts=hash_parts)
@@ -186,3 +196,20 @@ class Stager:
             raise RecordError("record key does not match the key it was stored under")
         return Record(header, staged.payload, checksum)
 
+
+def with_server_checksum(parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A record's parts (header first) whose header's payload checksum the client left to the
+    server, with the header made again around the checksum of the payload as the parts hold it
+    now (a pass over it): the checks that follow then verify what they copy against that. A
+    client writing its memory meanwhile only gets its own put refused."""
+    if len(parts[0]) < HEADER_SIZE:
+        raise RecordError(f"a {len(parts[0])}-byte first part: the header must lie in the slot")
+    header, _ = decode_header(memoryview(parts[0])[:HEADER_SIZE])
+    if header.flags:
+        raise RecordError("checksum_by_server on an encoded (compressed) payload")
+    hasher = xxhash.xxh3_64()
+    pieces = [memoryview(parts[0])[HEADER_SIZE:], *parts[1:]]
+    for piece in pieces:
+        hasher.update(piece)
+    head = encode_header(header, stored_length=header.stored_length, flags=0, checksum=hasher.intdigest())
+    return [head, *pieces]

@@ -41,7 +41,7 @@ from statestore.messages import (MAX_KEYS, durability_of, record_info, record_ke
                                  tier_bytes)
 from statestore.metrics import ServiceMetrics, kind_name
 from statestore.quotas import TenantQuotas
-from statestore.record_stream import Reassembler, Stager
+from statestore.record_stream import Reassembler, Stager, with_server_checksum
 from statestore.rpc import (BadField, Calls, Denied, Exhausted, NotFound, Precondition, add_servicer, streaming,
                             unary)
 from statestore.sessions_service import SessionsServicer
@@ -49,7 +49,7 @@ from statestore.shm import (ATTACHED, LENT_METADATA_KEY, METADATA_KEY, ShmAttach
                             ShmWindow, slot_views, write_slot, write_slot_header)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
-from statestore.wire import encoded_size, frame_slices, join_parts_off_loop, record_frames
+from statestore.wire import OFFLOAD_BYTES, encoded_size, frame_slices, join_parts_off_loop, record_frames
 from tiers.record import HEADER_SIZE, TENANT_BYTES, Record, RecordError, make_record_key, with_tenant
 
 logger = logging.getLogger(__name__)
@@ -321,9 +321,18 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         the payload is copied out before it is hashed, and the copy is what is verified and stored.
         `defer`: the payload checksum may be left to the SSD tier's write (`Stager.join`)."""
         durability = durability_of(start.durability, f"record {i}: start.durability", Durability.MEMORY)
+        by_server = start.checksum_by_server
+        if by_server and not start.lent_bytes:
+            raise BadField(f"record {i}: start.checksum_by_server without lent bytes (shared memory only)")
         try:
             record = None if stager is None else await stager.join(parts, start, payload_sum, shared,
-                                                                   defer=defer and durability is Durability.LOCAL)
+                                                                   defer=defer and durability is Durability.LOCAL,
+                                                                   checksum_by_server=by_server)
+            if record is None and by_server:  # not a deferred write: take the checksum now, then as usual
+                parts = await asyncio.to_thread(with_server_checksum, parts) \
+                    if start.total_bytes >= OFFLOAD_BYTES else with_server_checksum(parts)
+                payload_sum = None
+                record = None if stager is None else await stager.join(parts, start, None, shared)
             if record is None:
                 record = await join_parts_off_loop(parts, start.total_bytes, expect_key=start.key,
                                                    keep_view=not shared, payload_sum=payload_sum)

@@ -328,14 +328,16 @@ class Staged:
         self.dest = self.buf[HEADER_SIZE:total]
         self.payload = self.dest.toreadonly()
         self._sources: tuple[memoryview, ...] | None = None
-        self._checksum = 0
+        self._checksum: int | None = 0
 
-    def defer_fill(self, sources: Sequence[memoryview], checksum: int) -> None:
+    def defer_fill(self, sources: Sequence[memoryview], checksum: int | None) -> None:
         """The payload is to be copied from `sources` (laid end to end, as long) by the write that stores it,
         piece by piece while the previous piece is written (`_write_filling`), and verified
         against `checksum` before the record becomes visible; until then `payload` holds
         nothing valid. For the durability tier's write of a put: nothing may read the payload
-        before it (`fill` does the whole copy at once for any other path)."""
+        before it (`fill` does the whole copy at once for any other path). `checksum` None: the
+        fill takes it (a client that left it to the server, statestore/shm.py "Lent memory"):
+        `checksum` then holds it once the fill is done, for the header written last."""
         size = sum(len(s) for s in sources)
         if size != len(self.dest):
             raise ValueError(f"fill sources of {size} bytes for a {len(self.dest)}-byte payload")
@@ -346,6 +348,11 @@ class Staged:
         """A deferred fill has not completed yet."""
         return self._sources is not None
 
+    @property
+    def checksum(self) -> int | None:
+        """The payload's xxh3 once filled (None while a fill that takes it is pending)."""
+        return None if self._sources is not None else self._checksum
+
     def fill(self) -> None:
         """Do a pending fill now, whole (copy, hash): RecordError if the checksum does not match."""
         if self._sources is not None:
@@ -354,30 +361,58 @@ class Staged:
             self._filled(hasher)
 
     def _filled(self, hasher: Any) -> None:
-        if hasher.intdigest() != self._checksum:
+        if self._checksum is None:
+            self._checksum = hasher.intdigest()
+        elif hasher.intdigest() != self._checksum:
             raise RecordError("payload checksum mismatch: the payload is corrupt")
         self._sources = None
 
-    def laid_out(self, head: Chunk, helpers: Executor | None = None) -> LaidOut:
+    def laid_out(self, head: Chunk | None, helpers: Executor | None = None,
+                 make_head: Callable[[int], bytes] | None = None) -> LaidOut:
         """The chunks (encoded header, payload) of a write from this buffer (`helpers`: where
-        a pending fill's writes run while the next piece is copied)."""
-        return LaidOut((head, self.payload), self.buf, self, helpers)
+        a pending fill's writes run while the next piece is copied). `head` None: the header is
+        `make_head(checksum)`, made once the fill has taken the checksum."""
+        return LaidOut((head if head is not None else bytes(HEADER_SIZE), self.payload), self.buf, self, helpers,
+                       None if head is not None else make_head)
 
 
 class LaidOut(tuple):  # type: ignore[type-arg]
     """Write chunks (encoded header, payload) whose payload already lies in `buf` right after
     HEADER_SIZE bytes of header room (`Staged`): `_write_direct` copies only the header into
-    place and writes `buf` itself. Anywhere else it is the plain chunks it holds."""
+    place and writes `buf` itself. Anywhere else it is the plain chunks it holds (`plain()`).
+    With `make_head` the header is made from the checksum the staged fill takes (`head()`)."""
 
     buf: memoryview
     staged: Staged | None
     helpers: Executor | None
+    make_head: Callable[[int], bytes] | None
+    made: Chunk | None
 
     def __new__(cls, chunks: tuple[Chunk, Chunk], buf: memoryview, staged: Staged | None = None,
-                helpers: Executor | None = None) -> LaidOut:
+                helpers: Executor | None = None, make_head: Callable[[int], bytes] | None = None) -> LaidOut:
         self = super().__new__(cls, chunks)
-        self.buf, self.staged, self.helpers = buf, staged, helpers
+        self.buf, self.staged, self.helpers, self.make_head = buf, staged, helpers, make_head
+        self.made: Chunk | None = None
         return self
+
+    def head(self) -> Chunk:
+        """The encoded header: given, or made once from the filled payload's checksum (filling it
+        first if its fill is still pending)."""
+        if self.make_head is None:
+            return self[0]
+        if self.made is None:
+            assert self.staged is not None
+            self.staged.fill()
+            checksum = self.staged.checksum
+            assert checksum is not None
+            self.made = self.make_head(checksum)
+        return self.made
+
+    def plain(self) -> tuple[Chunk, Chunk]:
+        """(header, payload), the payload filled first if its fill is still pending."""
+        if self.staged is not None:
+            self.staged.fill()
+        return self.head(), self[1]
 
 
 class Piecewise(tuple):  # type: ignore[type-arg]
@@ -485,14 +520,13 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffe
             buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
         staged = chunks.staged
         if staged is not None and staged.pending and chunks.helpers is not None:
-            _write_filling(fd, staged, buf, total, padded, chunks.helpers)
+            _write_filling(fd, chunks, buf, total, padded, chunks.helpers)
         else:
-            if staged is not None:
-                staged.fill()
+            buf[:HEADER_SIZE] = chunks.plain()[0]  # a pending fill done whole; the header made if it waited for it
             _write_aligned(fd, buf, padded)
     else:
-        if isinstance(chunks, LaidOut) and chunks.staged is not None:
-            chunks.staged.fill()  # a pending fill, done whole before the payload is copied
+        if isinstance(chunks, LaidOut):
+            chunks = chunks.plain()  # a pending fill, done whole before the payload is copied
         with buffers.lease(padded) as buf:
             _write_padded(fd, chunks, total, padded, buf)
     if padded != total:
@@ -524,7 +558,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded: int, helpers: Executor) -> None:
+def _write_filling(fd: int, laid: LaidOut, buf: memoryview, total: int, padded: int, helpers: Executor) -> None:
     """O_DIRECT write of a staged record whose payload is still to be copied in (`defer_fill`):
     piece by piece, each piece copied and hashed on this thread while the previous ones (up to
     WRITE_PIECES_IN_FLIGHT) are written on helper threads, so the copy hides behind the disk.
@@ -534,11 +568,12 @@ def _write_filling(fd: int, staged: Staged, buf: memoryview, total: int, padded:
     holding the header) is written last, once the checksum of everything copied matched: a
     crash before that leaves a file whose first block is a hole (zeros), never a record that
     looks whole. RecordError on a mismatch (the caller removes the file)."""
-    sources = staged._sources
-    assert sources is not None
+    staged = laid.staged
+    assert staged is not None and staged._sources is not None
     hasher = xxhash.xxh3_64()
-    _copy_and_write_pieces(fd, buf, sources, total, padded, hasher, helpers, WRITE_PIECES_IN_FLIGHT)
+    _copy_and_write_pieces(fd, buf, staged._sources, total, padded, hasher, helpers, WRITE_PIECES_IN_FLIGHT)
     staged._filled(hasher)  # RecordError on a mismatch: nothing readable was written
+    buf[:HEADER_SIZE] = laid.head()  # made now if it waited for the checksum the fill took
     _pwrite_all(fd, buf[:ALIGN], 0)
 
 
@@ -761,9 +796,8 @@ def _write(fd: int, chunks: Sequence[Chunk], total: int, direct: bool, buffers: 
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-    if isinstance(chunks, LaidOut) and chunks.staged is not None:
-        chunks.staged.fill()  # a pending fill the direct write did not finish: whole, from the start
-    _write_all(fd, chunks.plain() if isinstance(chunks, Piecewise) else chunks)
+    # (a pending fill the direct write did not finish is done whole, from the start, by plain())
+    _write_all(fd, chunks.plain() if isinstance(chunks, (Piecewise, LaidOut)) else chunks)
 
 
 def remove_quietly(path: Path) -> None:

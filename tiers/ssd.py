@@ -1167,6 +1167,9 @@ class SSDTier(Tier):
             head = None if record.checksum is None else self._encode_head(record, record.checksum)
             chunks = _fs.Piecewise(record.payload, head, functools.partial(self._encode_head, record),
                                    self._helpers if pipelined else None)
+        elif staged is not None and staged.pending and record.checksum is None:  # the fill takes the checksum
+            head = None
+            chunks = staged.laid_out(None, self._helpers, functools.partial(self._encode_head, record))
         else:
             head = self._encode_head(record, record.payload_sum())
             chunks = (head, record.payload) if staged is None else staged.laid_out(head, self._helpers)
@@ -1187,9 +1190,9 @@ class SSDTier(Tier):
             dir_sync = self._helpers if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
             if not (new_key and _fs.write_new(final, chunks, direct=direct, buffers=self._buffers, dir_sync=dir_sync)):
                 _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct, buffers=self._buffers)
-        if head is None:  # a Piecewise write made it
-            assert isinstance(chunks, _fs.Piecewise)
-            head = chunks.plain()[0]
+        if head is None:  # the write made it (Piecewise, or a LaidOut whose fill took the checksum)
+            assert isinstance(chunks, (_fs.Piecewise, _fs.LaidOut))
+            head = bytes(chunks.plain()[0])
         stored, _ = decode_header(head)
         return stored
 

@@ -25,7 +25,7 @@ from statestore.payloads import PayloadPut
 from statestore.server import StateStoreServer
 from statestore.shm import DATA_OFFSET, LENT_DIR, LentSpan, ShmRegion, ShmWindow, shm_supported
 from statestore.types import Durability, TierName
-from tiers.record import HEADER_SIZE, RecordHeader
+from tiers.record import HEADER_SIZE, RecordHeader, encode_header
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not shm_supported() or not os.path.isdir(LENT_DIR), reason="Linux /dev/shm only")]
@@ -226,7 +226,7 @@ async def test_server_refuses_lent_memory_and_lent_fields_it_cannot_trust(server
     me = f"/proc/{os.getpid()}/fd"
     good = ("x-statestore-lent", f"{me}/{fds[0]} {LENT_BYTES}")
 
-    def start(**kw: int) -> common_pb2.RecordStart:
+    def start(**kw: int | bool) -> common_pb2.RecordStart:
         fields = {"lent_offset": 0, "lent_bytes": len(body), **kw}
         return common_pb2.RecordStart(key=item.header.key, total_bytes=item.total_bytes,
                                       durability=int(Durability.LOCAL), **fields)
@@ -254,8 +254,16 @@ async def test_server_refuses_lent_memory_and_lent_fields_it_cannot_trust(server
             exc = await raw_put(server, metadata, [bad])
             assert exc is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT, why
             assert "lent" in (exc.details() or ""), (why, exc.details())
+        wide = ShmWindow(region.name, region.secret, DATA_OFFSET, 3 << 20)
+        exc = await raw_put(server, (wide.to_metadata(), good), [start(lent_bytes=0, checksum_by_server=True)])
+        assert exc is not None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "checksum_by_server without lent bytes" in (exc.details() or "")
         assert server.store.meta(item.header.key) is None  # nothing of it was stored
-        assert await raw_put(server, (window.to_metadata(), good), [start()]) is None  # the same, trusted: stored
+        # The same, trusted, with the checksum left to the server (a zero in the header): stored,
+        # under the checksum of the bytes, which every read verifies.
+        region.buf[DATA_OFFSET:DATA_OFFSET + HEADER_SIZE] = encode_header(
+            item.header, stored_length=item.header.raw_length, flags=0, checksum=0)
+        assert await raw_put(server, (window.to_metadata(), good), [start(checksum_by_server=True)]) is None
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             get = channel.unary_stream("/statestore.v1.StateStore/GetRecords",
                                        request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,

@@ -986,6 +986,51 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
         await tier.aclose()
 
 
+@pytest.mark.parametrize("path", ["direct", "buffered", "zstd", "refused-midway"])
+async def test_a_deferred_fill_can_take_the_checksum_itself(tmp_path: Path, path: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deferred fill given no checksum (a client left it to the server): the fill takes it over
+    the bytes it copies from its sources (here a head and a body apart, as a slot and lent
+    memory), and the header written last carries it, on every write path (O_DIRECT pieces,
+    buffered, compressed, O_DIRECT refused midway); the record verifies on reads, after a
+    restart too, and the file is the record encoded."""
+    from tiers._fs import WRITE_PIECE_BYTES
+
+    if path == "buffered":
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
+            OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+    if path == "refused-midway":
+        real_pwrite, calls = os.pwrite, []
+
+        def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
+            calls.append(offset)
+            if len(calls) > 1:
+                raise OSError(errno.EINVAL, "O_DIRECT write refused")
+            return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+    kind = 5 if path == "zstd" else 1
+    zstd = {5: 1} if path == "zstd" else None
+    tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds=zstd)
+    want = rec(4, 2 * WRITE_PIECE_BYTES + 999, kind=kind)
+    try:
+        payload = memoryview(bytearray(want.payload))
+        with tier.staging(len(want.payload)) as staged:
+            staged.defer_fill([payload[:777], payload[777:]], None)
+            assert staged.pending and staged.checksum is None
+            assert await tier.put(Record(want.header, staged.payload, None))
+            assert not staged.pending and staged.checksum == want.payload_sum()
+        assert_same(await tier.get(want.key), want)
+        if path != "zstd":
+            assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
+        monkeypatch.undo()
+        tier = await reopen(tier, zstd_kinds=zstd)
+        assert_same(await tier.get(want.key), want)
+    finally:
+        await tier.aclose()
+
+
 async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSDTier,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A file system that accepts O_DIRECT at open but refuses the writes (EINVAL) midway

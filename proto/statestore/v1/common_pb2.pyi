@@ -27,7 +27,7 @@ class RecordChunk(_message.Message):
     def __init__(self, start: _Optional[_Union[RecordStart, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RecordStart(_message.Message):
-    __slots__ = ("key", "total_bytes", "durability", "pin", "found", "lent_offset", "lent_bytes", "verified")
+    __slots__ = ("key", "total_bytes", "durability", "pin", "found", "lent_offset", "lent_bytes", "verified", "checksum_by_server")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RecordStart(_message.Message):
     LENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_BY_SERVER_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     total_bytes: int
     durability: Durability
@@ -44,7 +45,8 @@ class RecordStart(_message.Message):
     lent_offset: int
     lent_bytes: int
     verified: bool
-    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: bool = ..., found: bool = ..., lent_offset: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., verified: bool = ...) -> None: ...
+    checksum_by_server: bool
+    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., durability: _Optional[_Union[Durability, str]] = ..., pin: bool = ..., found: bool = ..., lent_offset: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., verified: bool = ..., checksum_by_server: bool = ...) -> None: ...
 
 class LentDestination(_message.Message):
     __slots__ = ("total_bytes", "offset", "bytes")
