@@ -12,7 +12,8 @@ A caller whose buffers lie in a shared-memory file of its own (`lend`: LMCache's
 `shm_name`) skips those copies: a put names the bulk of a record as a `LentSpan` (where it lies
 in that file), which the server copies out itself, and a get may name where in that file it
 wants each record's bulk (`LentDestination`), which the server delivers there. The client then
-only hashes those bytes, it does not copy them.
+neither copies nor hashes those bytes: the server takes a put's checksum as it copies them out
+(`checksum_by_server`) and verifies a get's as it delivers them (`verified`).
 
 `PayloadTransport` runs the calls; it is built by `StateStoreClient` (which owns the channel and
 the protobuf messages: this module imports no generated code) and exposed through

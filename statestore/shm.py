@@ -39,7 +39,9 @@ window: metadata `x-statestore-lent: "<name> <size>"` beside the window, the nam
 `lent_bytes` lie at `lent_offset` of the lent file (the rest, header first, in its slot); a get
 names, per key, where it wants a record's last bytes (`LentDestination`) and the server, which
 delivers them there, says so in the same fields. The server copies out of lent memory exactly as
-out of a window (what it hashes is what it copied). It maps a lent file only if it is a regular
+out of a window (what it hashes is what it copied). Neither side makes a second pass over lent
+bytes: a put may leave the payload checksum to the server (`checksum_by_server`), which takes it
+as it copies them out, and a get that the server hashed as it delivered it is marked `verified`. It maps a lent file only if it is a regular
 file under /dev/shm owned by the user that owns the client process, of the size the call
 declares: nothing a client could not already read and write itself.
 """
