@@ -72,6 +72,28 @@ async def refilled(tier: SSDTier) -> SSDTier:
     return tier
 
 
+def refuse_o_direct_at_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses O_DIRECT when a file is opened (EINVAL)."""
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
+        OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+
+
+def refuse_o_direct_writes_after_the_first(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A file system that accepts O_DIRECT at open but refuses the second and later pwrites
+    (EINVAL); returns the offsets of the pwrites tried."""
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.EINVAL, "O_DIRECT write refused")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+    return calls
+
+
 async def reopen(t: SSDTier, **kwargs: object) -> SSDTier:
     await t.aclose()
     return await SSDTier.create(t._layout.root, **kwargs)  # type: ignore[arg-type]
@@ -958,9 +980,7 @@ async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_
     from tiers._fs import WRITE_PIECE_BYTES
 
     if path == "buffered":  # a file system refusing O_DIRECT at open
-        real_open = os.open
-        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
-            OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+        refuse_o_direct_at_open(monkeypatch)
     kind = 5 if path == "zstd" else 1
     tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds={5: 1} if path == "zstd" else None)
     want = rec(1, 2 * WRITE_PIECE_BYTES + 4321, kind=kind)
@@ -997,19 +1017,9 @@ async def test_a_deferred_fill_can_take_the_checksum_itself(tmp_path: Path, path
     from tiers._fs import WRITE_PIECE_BYTES
 
     if path == "buffered":
-        real_open = os.open
-        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
-            OSError(errno.EINVAL, "no O_DIRECT")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+        refuse_o_direct_at_open(monkeypatch)
     if path == "refused-midway":
-        real_pwrite, calls = os.pwrite, []
-
-        def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
-            calls.append(offset)
-            if len(calls) > 1:
-                raise OSError(errno.EINVAL, "O_DIRECT write refused")
-            return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+        refuse_o_direct_writes_after_the_first(monkeypatch)
     kind = 5 if path == "zstd" else 1
     zstd = {5: 1} if path == "zstd" else None
     tier = await SSDTier.create(tmp_path / "ssd", zstd_kinds=zstd)
@@ -1039,21 +1049,12 @@ async def test_a_deferred_fill_survives_o_direct_refused_at_write_time(tier: SSD
     from tiers._fs import WRITE_PIECE_BYTES
 
     want = rec(3, 3 * WRITE_PIECE_BYTES + 777)
-    real_pwrite = os.pwrite
-    calls: list[int] = []
-
-    def pwrite_then_refuse(fd: int, data: object, offset: int) -> int:
-        calls.append(offset)
-        if len(calls) > 1:
-            raise OSError(errno.EINVAL, "O_DIRECT write refused")
-        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "pwrite", pwrite_then_refuse)
+    calls = refuse_o_direct_writes_after_the_first(monkeypatch)
     with tier.staging(len(want.payload)) as staged:
         staged.defer_fill([memoryview(bytearray(want.payload))], want.payload_sum())
         assert await tier.put(Record(want.header, staged.payload, want.payload_sum()))
         assert not staged.pending
-    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    monkeypatch.undo()
     assert len(calls) >= 2
     assert record_path(tier._layout.root, want).read_bytes() == encode_record(want)
     assert_same(await tier.get(want.key), want)
