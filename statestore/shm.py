@@ -41,9 +41,10 @@ names, per key, where it wants a record's last bytes (`LentDestination`) and the
 delivers them there, says so in the same fields. The server copies out of lent memory exactly as
 out of a window (what it hashes is what it copied). Neither side makes a second pass over lent
 bytes: a put may leave the payload checksum to the server (`checksum_by_server`), which takes it
-as it copies them out, and a get that the server hashed as it delivered it is marked `verified`. It maps a lent file only if it is a regular
-file under /dev/shm owned by the user that owns the client process, of the size the call
-declares: nothing a client could not already read and write itself.
+as it copies them out, and a get that the server hashed as it delivered it is marked `verified`.
+The server maps a lent file only if it is a regular file on the /dev/shm file system owned by the
+user that owns the client process, of the size the call declares: nothing a client could not
+already read and write itself.
 """
 
 from __future__ import annotations
@@ -234,8 +235,8 @@ class ShmAttachments:
             raise ShmUnavailable(f"shm: lent: cannot open {name} ({exc.strerror})") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
-                raise ShmUnavailable(f"shm: lent: {link} is not a regular file of the client's user")
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_dev != os.stat(LENT_DIR).st_dev:
+                raise ShmUnavailable(f"shm: lent: {link} is not a regular file of the client's user on {LENT_DIR}")
             if st.st_size != size or size < SLOT_ALIGN:
                 raise ShmUnavailable(f"shm: lent: {link} holds {st.st_size} bytes, the call says {size}")
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
