@@ -294,9 +294,13 @@ def test_chunk_sink_takes_a_chunk_from_any_split(piece_bytes: int) -> None:
             assert ok and obj is allocated[-1] and bytes(obj.byte_array) == data and not obj.released
 
 
-def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess) -> None:
-    """shm_bytes 0: the same chunks through gRPC frames only (the path a remote server takes)."""
-    lm = LMCacheHarness(make_lmcache_config(server.target, namespace="no-shm", shm_bytes=0), make_lmcache_metadata())
+@pytest.mark.parametrize("shm_name", [None, "lent-but-no-shm"])
+def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess, shm_name: str | None) -> None:
+    """shm_bytes 0: the same chunks through gRPC frames only (the path a remote server takes),
+    also when LMCache's buffer is in /dev/shm (its chunks, named as lent spans, then go as frames)."""
+    name = f"statestore-test-{os.getpid()}-{shm_name}" if shm_name else None
+    lm = LMCacheHarness(make_lmcache_config(server.target, namespace="no-shm", shm_bytes=0, shm_name=name),
+                        make_lmcache_metadata())
     try:
         expect = lm.store(list(range(600)), seed=11)
         lm.wait_stored(list(expect))
@@ -305,6 +309,7 @@ def test_grpc_frame_path_when_shared_memory_is_off(server: ServerProcess) -> Non
         for o in objs:
             o.ref_count_down()
         assert lm.connector._client is not None and not lm.connector._client.shm_active
+        assert not lm.connector._client.lent_active and (lm.connector.lent is not None) is bool(shm_name)
     finally:
         lm.close()
 
