@@ -78,6 +78,16 @@ class _LentInto:
     bytes: int
 
 
+def _check_lent_range(where: str, offset: int, nbytes: int, total_bytes: int, lent: Any) -> None:
+    """The last `nbytes` of a `total_bytes` record at `offset` of the lent memory: at least one
+    byte, never the header (it lies in the slot), inside the lent memory."""
+    if not 0 < nbytes <= total_bytes - HEADER_SIZE:
+        raise BadField(f"{where}: {nbytes} lent bytes outside [1, total_bytes - {HEADER_SIZE}] "
+                       f"(the header lies in the slot)")
+    if offset + nbytes > len(lent):
+        raise BadField(f"{where}: lent bytes [{offset}, +{nbytes}) exceed the {len(lent)}-byte lent memory")
+
+
 def _lent_destinations(lent_request: Any, lent: Any) -> list[_LentInto | None]:
     """GetRecordsRequest.lent, checked against the lent memory (all zero: none for that key)."""
     out: list[_LentInto | None] = []
@@ -85,10 +95,7 @@ def _lent_destinations(lent_request: Any, lent: Any) -> list[_LentInto | None]:
         if not (d.total_bytes or d.offset or d.bytes):
             out.append(None)
             continue
-        if not 0 < d.bytes <= d.total_bytes - HEADER_SIZE:
-            raise BadField(f"lent[{i}]: bytes {d.bytes} outside [1, total_bytes - {HEADER_SIZE}]")
-        if d.offset + d.bytes > len(lent):
-            raise BadField(f"lent[{i}]: [{d.offset}, +{d.bytes}) exceeds the {len(lent)}-byte lent memory")
+        _check_lent_range(f"lent[{i}]", d.offset, d.bytes, d.total_bytes, lent)
         out.append(_LentInto(lent, d.total_bytes, d.offset, d.bytes))
     return out
 
@@ -99,13 +106,15 @@ def _lent_bytes(i: int, start: common_pb2.RecordStart, lent: Any) -> int:
         return 0
     if lent is None:
         raise BadField(f"record {i}: start.lent_bytes / lent_offset without lent memory ({LENT_METADATA_KEY})")
-    if not 0 < start.lent_bytes <= start.total_bytes - HEADER_SIZE:
-        raise BadField(f"record {i}: start.lent_bytes {start.lent_bytes} outside [1, total_bytes - {HEADER_SIZE}] "
-                       f"(the header lies in the slot)")
-    if start.lent_offset + start.lent_bytes > len(lent):
-        raise BadField(f"record {i}: lent bytes [{start.lent_offset}, +{start.lent_bytes}) exceed the "
-                       f"{len(lent)}-byte lent memory")
+    _check_lent_range(f"record {i}", start.lent_offset, start.lent_bytes, start.total_bytes, lent)
     return start.lent_bytes
+
+
+def _found_start(key: bytes, total: int, into: _LentInto | None, verified: bool = False) -> Any:
+    """The start message of a record GetRecords found (and where its lent bytes went, if any)."""
+    return common_pb2.RecordChunk(start=common_pb2.RecordStart(
+        key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
+        lent_bytes=into.bytes if into else 0, verified=verified))
 
 
 class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
@@ -392,9 +401,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     if delivered:  # the SSD tier read it straight into its slot: only its header is left
                         total = encoded_size(record)
                         write_slot_header(shm_buf, slots.take(total - (into.bytes if into else 0)), record)
-                        yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
-                            key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
-                            lent_bytes=into.bytes if into else 0, verified=into is not None))
+                        yield _found_start(key, total, into, verified=into is not None)
                         sent_bytes += total
                         continue
                 else:
@@ -413,9 +420,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     finally:
                         if lent_view is not None:
                             lent_view.release()
-                    yield common_pb2.RecordChunk(start=common_pb2.RecordStart(
-                        key=key, total_bytes=total, found=True, lent_offset=into.offset if into else 0,
-                        lent_bytes=into.bytes if into else 0))
+                    yield _found_start(key, total, into)
                     sent_bytes += total
                     continue
                 if slots is not None and slots.num_used:

@@ -56,7 +56,7 @@ import re
 import secrets
 import stat
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiers.record import HEADER_SIZE, Record, encode_header
@@ -181,12 +181,12 @@ class ShmAttachments:
     def window_from(self, metadata: Sequence[tuple[str, str | bytes]] | None, peer: str) -> ShmWindow | None:
         """The window a call's metadata names (None: the call does not use shm), once it is
         known to be usable; ShmUnavailable otherwise."""
-        value = next((v for k, v in metadata or () if k == METADATA_KEY), None)
+        value = _metadata_value(metadata, METADATA_KEY)
         if value is None:
             return None
         if not peer.startswith(_LOOPBACK_PEERS):
             raise ShmUnavailable(f"shm: peer {peer} is not on loopback")
-        window = ShmWindow.parse(value if isinstance(value, str) else value.decode("ascii", "replace"))
+        window = ShmWindow.parse(value)
         region = self._attach(window)
         if window.offset + window.length > region.size:
             raise ShmUnavailable(f"shm: window [{window.offset}, +{window.length}) exceeds the "
@@ -196,12 +196,12 @@ class ShmAttachments:
     def lent_from(self, metadata: Sequence[tuple[str, str | bytes]] | None, window: ShmWindow | None) -> mmap.mmap | None:
         """The mapping of the lent file a call's metadata names beside its window (None: it names
         none); ShmUnavailable ("shm: lent ...") if it is unusable."""
-        value = next((v for k, v in metadata or () if k == LENT_METADATA_KEY), None)
+        value = _metadata_value(metadata, LENT_METADATA_KEY)
         if value is None:
             return None
         if window is None:
             raise ShmUnavailable(f"shm: lent memory without a window ({METADATA_KEY})")
-        parts = (value if isinstance(value, str) else value.decode("ascii", "replace")).split(" ")
+        parts = value.split(" ")
         match = _NAME.fullmatch(parts[0]) if len(parts) == 2 and parts[1].isdigit() else None
         if match is None:
             raise ShmUnavailable(f"shm: lent metadata {LENT_METADATA_KEY} is not '/proc/<pid>/fd/<n> <size>'")
@@ -214,12 +214,7 @@ class ShmAttachments:
             raise ShmUnavailable(f"shm: lent: cannot open {name} ({exc.strerror})") from None
         cached = self._regions.get(name)
         if cached is None or not cached.lent or cached.ident != (st.st_dev, st.st_ino) or cached.size != size:
-            self._regions.pop(name, None)
-            cached = self._open_lent(name, size, int(match.group(1)))
-            self._drop_stale()
-            while len(self._regions) >= self.max_regions:
-                self._regions.popitem(last=False)
-            self._regions[name] = cached
+            cached = self._remember(name, lambda: self._open_lent(name, size, int(match.group(1))))
         self._regions.move_to_end(name)
         return cached.buf
 
@@ -262,12 +257,17 @@ class ShmAttachments:
                 raise ShmUnavailable("shm: wrong secret for this region")
             self._regions.move_to_end(window.name)
             return cached
-        self._regions.pop(window.name, None)
-        mapped = self._open(window)
+        return self._remember(window.name, lambda: self._open(window))
+
+    def _remember(self, name: str, open_region: Callable[[], _Mapped]) -> _Mapped:
+        """Map a region anew under `name` (what was there is dropped first, even if this fails)
+        and keep it, dropping stale ones and, beyond `max_regions`, the least recently used."""
+        self._regions.pop(name, None)
+        mapped = open_region()
         self._drop_stale()
         while len(self._regions) >= self.max_regions:
             self._regions.popitem(last=False)
-        self._regions[window.name] = mapped
+        self._regions[name] = mapped
         return mapped
 
     @staticmethod
@@ -304,6 +304,11 @@ class ShmAttachments:
 
     def close(self) -> None:
         self._regions.clear()
+
+
+def _metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    value = next((v for k, v in metadata or () if k == key), None)
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
 
 
 def slot_views(buf: mmap.mmap, window: ShmWindow, totals: Sequence[int]) -> list[memoryview]:

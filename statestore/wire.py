@@ -30,7 +30,7 @@ from typing import Any, Union
 
 import xxhash
 
-from tiers.record import (HEADER_SIZE, Record, RecordError, copy_hashing, decode_header, decode_record, encode_header,
+from tiers.record import (HEADER_SIZE, Record, RecordError, copy_gathered, decode_header, decode_record, encode_header,
                           payload_checksum)
 
 
@@ -111,18 +111,13 @@ def frame_slices(chunk_bytes: int) -> Callable[[bytes, int], list[tuple[bytes, i
 
 def copy_hashed(dest: memoryview, parts: Sequence[Buffer], *, hash_parts: bool = True) -> int | None:
     """Copy `parts` one after another into `dest` (exactly as long) and return the xxh3 of what
-    was copied, hashed block by block right after each block's copy (`tiers.record.copy_hashing`);
+    was copied, hashed block by block right after each block's copy (`tiers.record.copy_gathered`);
     with `hash_parts=False` only copy (None)."""
+    size = sum(len(memoryview(part)) for part in parts)
+    if size != len(dest):
+        raise ValueError(f"copy_hashed: {size} bytes for a {len(dest)}-byte destination")
     hasher = xxhash.xxh3_64() if hash_parts else None
-    at = 0
-    for part in parts:
-        n = len(memoryview(part))
-        if at + n > len(dest):
-            raise ValueError(f"copy_hashed: more than {len(dest)} bytes for a {len(dest)}-byte destination")
-        copy_hashing(dest[at:at + n], part, hasher)
-        at += n
-    if at != len(dest):
-        raise ValueError(f"copy_hashed: {at} bytes for a {len(dest)}-byte destination")
+    copy_gathered(dest, parts, 0, hasher)
     return None if hasher is None else hasher.intdigest()
 
 

@@ -515,14 +515,13 @@ def _write_direct(fd: int, chunks: Sequence[Chunk], total: int, buffers: IOBuffe
     elif isinstance(chunks, LaidOut) and len(chunks) == 2 and len(chunks[0]) == HEADER_SIZE \
             and len(chunks.buf) >= padded:
         buf = chunks.buf
-        buf[:HEADER_SIZE] = chunks[0]
         if padded != total:
             buf[total:padded] = bytes(padded - total)  # a stale tail never reaches the disk
         staged = chunks.staged
         if staged is not None and staged.pending and chunks.helpers is not None:
             _write_filling(fd, chunks, buf, total, padded, chunks.helpers)
         else:
-            buf[:HEADER_SIZE] = chunks.plain()[0]  # a pending fill done whole; the header made if it waited for it
+            buf[:HEADER_SIZE] = chunks.plain()[0]  # (a pending fill done whole first; the header made from it if it waited)
             _write_aligned(fd, buf, padded)
     else:
         if isinstance(chunks, LaidOut):
