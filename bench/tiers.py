@@ -40,7 +40,9 @@ the reference stays what DESIGN section 7 names (plain file I/O, a new file per 
 read + verify (`tiers.ssd._read_record`: open, O_DIRECT read, header and checksum checks, the
 payload lent or copied as a get does) run on qd plain threads, the way the reference runs:
 `ratio` / `vs_sync` is what the reference gets against the tier's work without the asyncio hop,
-so the two say how much of a gap is the hop and how much the work. The tier's spare pool starts at 32 and grows to
+so the two say how much of a gap is the hop and how much the work. `vs_threads` compares the
+tier with the same tier reading every record on its worker threads (`loop_reads=False`): what
+its reads on the event loop (`tiers._aio`, native AIO) gain. The tier's spare pool starts at 32 and grows to
 its default limit of 256 in the first rounds (a round fills in place what the pool cannot,
 with a directory fsync each); from then on a round of up to 128 new keys takes half of it
 and its refill (creates and one directory fsync, in the background) waits until the puts
@@ -358,6 +360,15 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         await asyncio.to_thread(drop_cache, tier_paths)
         return await _timed_gets(tier, records, qd)
 
+    # The same tier with every read on its worker threads (`loop_reads=False`): what the reads
+    # on the event loop (`tiers._aio`) gain, in the same rounds.
+    threads_tier = await SSDTier.create(base / f"threads-{size}-{qd}", max_concurrency=qd, loop_reads=False)
+    threads_paths = [threads_tier._layout.path(r.key) for r in records]
+
+    async def threads_cold_gets() -> float:
+        await asyncio.to_thread(drop_cache, threads_paths)
+        return await _timed_gets(threads_tier, records, qd)
+
     async def clear() -> None:
         await asyncio.to_thread(unlink_all, paths)
         for r in records:
@@ -374,10 +385,13 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         for i in range(n):  # both sides written for the get rounds
             ref_put_direct(paths[i], buf, padded, len(data))
         await _timed_puts(tier, records, qd)
+        await _timed_puts(threads_tier, records, qd)
         gets = await measure(p.rounds, {"O_DIRECT read": ref_read, "async": async_read, "sync": tier_reads_sync,
-                                        "tier": tier_cold_gets}, info=("async", "sync"))
+                                        "threads": threads_cold_gets, "tier": tier_cold_gets},
+                             info=("async", "sync", "threads"))
     finally:
         await tier.aclose()
+        await threads_tier.aclose()
         if dir_sync is not None:
             dir_sync.shutdown()
     return [row("ssd", "put", qd, size, n, puts, len(data)), row("ssd", "get", qd, size, n, gets, len(data))]
@@ -651,7 +665,7 @@ async def run(p: Params) -> None:
         rows, zstd_rows, merged_from = merge_previous(rows, zstd_rows)
     floors = make_floors(rows)
     cols = ["tier", "op", "qd", "size", "n", "gbps", "ops_s", "ref", "ref_gbps", "ratio", "vs_protocol",
-            "vs_dirsync", "vs_async", "vs_overwrite", "vs_sync"]
+            "vs_dirsync", "vs_async", "vs_overwrite", "vs_sync", "vs_threads"]
     print_table(rows, cols)
     print()
     print_table(zstd_rows, ["payload", "level", "bytes", "ratio", "compress_gbps", "decompress_gbps"])

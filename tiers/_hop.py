@@ -13,6 +13,9 @@ wake-up is a VM exit plus an IPI. A round trip of an empty job costs ~30 us, but
 of loop-thread CPU (thread_time); at queue depth 1 that is a quarter of a 256 KiB O_DIRECT
 read. Pinning or busy-polling would hide it; neither belongs in a library on shared cores.
 
+Reads of records below 1 MiB skip the hop where the kernel allows (`tiers._aio`: native AIO
+from the loop); everything else comes here.
+
 The threads live as long as the tier (starting one per operation would cost more than the
 hop). They are daemon threads: at interpreter exit a job still queued is dropped like a
 crash drops it, which the tier's protocols allow for (nothing queued was acknowledged).

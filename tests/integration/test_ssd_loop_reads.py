@@ -1,0 +1,209 @@
+"""SSD tier reads on the event loop (tiers/_aio.py: native AIO, no thread hop): bit-exact,
+verified, quarantining what is damaged, safe under cancellation, and falling back to the
+worker threads wherever the loop would have to wait or the file system cannot do them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tiers.ssd as ssd_module
+from tests.integration.test_ssd_tier import assert_same, rec, record_path
+from tiers._aio import AioReads, WouldBlock
+from tiers.ssd import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES, SSDTier
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
+                                reason="native AIO reads exist on Linux x86_64 / aarch64 only")
+
+LOOP_SIZES = [200_000, 700_000]  # read on the loop: a small lent buffer; a copied one (huge-page sized)
+THREAD_SIZES = [LOOP_READ_MAX_FILE_BYTES, LEND_MIN_BYTES + 4097]  # larger: on the threads, which hash in parallel
+
+
+@pytest.fixture
+def thread_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys read on a worker thread (a spy around the tier's thread-side read, which
+    `get` and `get_many`'s shares both call)."""
+    seen: list[str] = []
+    real = ssd_module._read_record
+
+    def spy(path: str, key: bytes, *args: object) -> object:
+        seen.append(key.hex())
+        return real(path, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssd_module, "_read_record", spy)
+    return seen
+
+
+async def loop_tier(root: Path, **kwargs: object) -> SSDTier:
+    tier = await SSDTier.create(root, **kwargs)  # type: ignore[arg-type]
+    assert tier._aio is not None, "native AIO is unavailable on this Linux machine"
+    return tier
+
+
+async def test_gets_and_get_many_read_on_the_loop(tmp_path: Path, thread_reads: list[str]) -> None:
+    tier = await loop_tier(tmp_path / "ssd", max_concurrency=2)
+    try:
+        records = [rec(i, size) for i, size in enumerate(LOOP_SIZES + THREAD_SIZES)]
+        assert await tier.put_many(records) == [True] * len(records)
+        for r in records:
+            assert_same(await tier.get(r.key), r)
+        got = await tier.get_many([r.key for r in records] + [rec(99).key])
+        for g, r in zip(got, records):
+            assert_same(g, r)
+        assert got[-1] is None
+        large = [r.key.hex() for r in records[len(LOOP_SIZES):]]
+        assert sorted(thread_reads) == sorted(large * 2)  # only the large ones, each time
+        assert tier._aio.in_flight == 0
+    finally:
+        await tier.aclose()
+
+
+async def test_damaged_records_read_on_the_loop_are_quarantined(tmp_path: Path, thread_reads: list[str]) -> None:
+    """A flipped payload byte fails the checksum on the loop; a truncated file (fewer bytes
+    than the index knows) goes to the thread path, which judges it as it always has."""
+    root = tmp_path / "ssd"
+    tier = await loop_tier(root)
+    try:
+        flipped, truncated, healthy = rec(1, LOOP_SIZES[1]), rec(2, LOOP_SIZES[1]), rec(3, LOOP_SIZES[0])
+        assert await tier.put_many([flipped, truncated, healthy]) == [True] * 3
+        path = record_path(root, flipped)
+        data = bytearray(path.read_bytes())
+        data[len(data) - 1000] ^= 0x40
+        path.write_bytes(bytes(data))
+        with open(record_path(root, truncated), "r+b") as f:
+            f.truncate(LOOP_SIZES[1] // 2)
+        assert await tier.get(flipped.key) is None
+        assert await tier.get(truncated.key) is None
+        assert_same(await tier.get(healthy.key), healthy)
+        quarantined = sorted(p.name for p in tier._layout.quarantine_dir.iterdir())
+        assert [n.split(".")[0] for n in quarantined] == sorted(r.key.hex() for r in (flipped, truncated))
+        assert thread_reads == [truncated.key.hex()]  # only the truncated one needed a thread
+        assert await tier.get(flipped.key) is None and await tier.get(truncated.key) is None  # gone from the index
+    finally:
+        await tier.aclose()
+
+
+def fds_on(path: Path) -> int:
+    """How many of this process's file descriptors are open on `path`."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return count
+
+
+async def test_a_cancelled_loop_read_gives_its_buffer_back_once_it_lands(tmp_path: Path) -> None:
+    root = tmp_path / "ssd"
+    tier = await loop_tier(root)
+    try:
+        records = [rec(1, LOOP_SIZES[1]), rec(2, LOOP_SIZES[0])]  # a copied (taken) buffer; a lent one
+        assert await tier.put_many(records) == [True, True]
+        for r in records:
+            assert_same(await tier.get(r.key), r)  # the buffers exist and are free again
+            path, free = record_path(root, r), tier._buffers.free_bytes
+            task = asyncio.ensure_future(tier.get(r.key))
+            for _ in range(100):  # until submitted: the device owns the buffer now
+                if tier._aio.in_flight:
+                    break
+                await asyncio.sleep(0)
+            assert tier._aio.in_flight, "the get did not submit its read on the loop"
+            assert tier._buffers.free_bytes < free and fds_on(path) == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(1000):  # the read lands; then the fd is closed and the buffer given back
+                if tier._aio.in_flight == 0 and fds_on(path) == 0 and tier._buffers.free_bytes == free:
+                    break
+                await asyncio.sleep(0.001)
+            assert (tier._aio.in_flight, fds_on(path), tier._buffers.free_bytes) == (0, 0, free)
+            assert_same(await tier.get(r.key), r)
+    finally:
+        await tier.aclose()
+
+
+async def test_loop_reads_fall_back_to_threads(tmp_path: Path, thread_reads: list[str]) -> None:
+    """A context without room for another read, and a file system without RWF_NOWAIT reads
+    (tmpfs), send reads to the worker threads, bit-exact."""
+    tier = await loop_tier(tmp_path / "ssd", max_concurrency=2)
+    try:
+        records = [rec(1, LOOP_SIZES[0]), rec(2, LOOP_SIZES[1])]
+        assert await tier.put_many(records) == [True, True]
+        tier._aio.close()
+        tier._aio = AioReads.create(depth=1)  # room for one read in flight
+        got = await tier.get_many([r.key for r in records])  # two shares: the second finds no room
+        for g, r in zip(got, records):
+            assert_same(g, r)
+        assert len(thread_reads) == 1 and tier._aio.in_flight == 0
+    finally:
+        await tier.aclose()
+    if not os.access("/dev/shm", os.W_OK):
+        return
+    shm = Path("/dev/shm") / f"statestore-test-{os.getpid()}-{tmp_path.name}"
+    thread_reads.clear()
+    tier = await loop_tier(shm)
+    try:
+        records = [rec(i, size) for i, size in enumerate(LOOP_SIZES)]
+        assert await tier.put_many(records) == [True] * len(records)
+        for r in records:
+            assert_same(await tier.get(r.key), r)
+        assert tier._aio is None  # the first refusal turned loop reads off for this tier
+        assert len(thread_reads) == len(records)
+    finally:
+        await tier.aclose()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+async def test_open_cached_opens_only_from_the_lookup_cache(tmp_path: Path) -> None:
+    aio = AioReads.create()
+    assert aio is not None
+    try:
+        path = tmp_path / "f"
+        path.write_bytes(b"x" * 8192)
+        os.close(aio.open_cached(str(path)))  # just created: cached
+        missing = tmp_path / "missing"
+        with pytest.raises(WouldBlock):  # never looked up: finding out would take the file system
+            aio.open_cached(str(missing))
+        assert not missing.exists()  # now the kernel knows it is not there
+        with pytest.raises(FileNotFoundError):
+            aio.open_cached(str(missing))
+        try:  # as root, drop the dentry and inode caches: the open must refuse rather than wait
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("2\n")
+        except OSError:
+            return
+        with pytest.raises(WouldBlock):
+            aio.open_cached(str(path))
+    finally:
+        aio.close()
+
+
+async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
+    """The context (and its eventfd) goes only once the reads in flight have landed: a buffer
+    is never free while the device may still write into it."""
+    from tiers._fs import map_io_buffer
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    aio = AioReads.create()
+    assert aio is not None
+    buf = map_io_buffer(1 << 20)
+    fd = aio.open_cached(str(path))
+    try:
+        (fut,) = aio.submit(fd, [(buf, 0)])
+        aio.close()
+        assert aio._efd >= 0 and not aio.usable()
+        with pytest.raises(WouldBlock):
+            aio.submit(fd, [(buf, 0)])
+        assert await asyncio.shield(fut) == 1 << 20
+        assert aio._efd == -1  # destroyed once the last read was reaped
+        assert bytes(buf[: 1 << 20]) == path.read_bytes()
+    finally:
+        os.close(fd)

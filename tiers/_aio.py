@@ -1,0 +1,295 @@
+"""Reads of the SSD tier on the event loop itself: Linux native AIO, no thread hop.
+
+Why: a read handed to a worker thread (`tiers._hop`) pays two wake-ups, the worker's and then
+the loop's, on top of the device. On the development VM (a Firecracker guest whose idle vCPUs
+halt) that was ~90 us around a 256 KiB O_DIRECT read of ~200 us, the main reason a get at queue
+depth 1 reached only 0.64 of a plain blocking read. A native AIO read is submitted from the
+loop and completes by bumping an eventfd that the loop watches: one wake-up, the device's, as
+for the blocking read. The same loop keeps any number of reads in flight without threads.
+
+Nothing here may block the loop on the disk, so each step that could falls back instead:
+- the file is opened with `openat2(RESOLVE_CACHED)`, which fails with EAGAIN unless every path
+  component is in the kernel's lookup cache (io_uring's own non-blocking open);
+- the read is submitted with `RWF_NOWAIT`, which ends it with EAGAIN where it would have to
+  wait (block-mapping metadata to read, a congested queue);
+- a full AIO context refuses the submission with EAGAIN.
+Each EAGAIN surfaces as `WouldBlock`, and the caller does the operation on a worker thread; so
+do EOPNOTSUPP and EINVAL (a file system that cannot do `RWF_NOWAIT` reads, tmpfs among them).
+
+Only O_DIRECT reads come here (buffered AIO reads are synchronous on Linux). Where any of it is
+missing (another OS or architecture, a kernel before 5.12, a seccomp filter refusing
+`io_setup`), `AioReads.create` returns None and the tier keeps its threads.
+
+A read in flight owns its buffer until the kernel is done with it, even if the task that
+awaited it was cancelled: `after(futures, clean_up)` hands the clean-up (close the fd, give the
+buffer back) to the completions. `close()` waits for the reads in flight before it destroys the
+context, so a buffer is never returned while the device may still write into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Syscall numbers (the C library wraps neither the AIO calls nor openat2).
+_SYSCALLS = {
+    "x86_64": {"io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209, "openat2": 437},
+    "aarch64": {"io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_getevents": 4, "openat2": 437},
+}
+_IOCB_CMD_PREAD = 0
+_IOCB_FLAG_RESFD = 1
+_RWF_NOWAIT = 0x8
+_RESOLVE_CACHED = 0x20
+_AT_FDCWD = -100
+_NOT_HERE = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)  # results that send a read to a thread
+DEFAULT_DEPTH = 256  # reads in flight per context; a submission beyond them is done on a thread
+
+
+class WouldBlock(Exception):
+    """The operation would have waited on the loop (not cached, would block, context full):
+    do it on a worker thread instead."""
+
+
+class Unsupported(WouldBlock):
+    """The file's file system cannot take these reads at all (tmpfs: no `RWF_NOWAIT`): every
+    read of it belongs on a thread."""
+
+
+class _Iocb(ctypes.Structure):
+    """`struct iocb` (linux/aio_abi.h), little-endian field order."""
+
+    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32), ("rw_flags", ctypes.c_int32),
+                ("lio_opcode", ctypes.c_uint16), ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
+                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
+                ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+
+class _IoEvent(ctypes.Structure):
+    """`struct io_event`."""
+
+    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64), ("res", ctypes.c_int64),
+                ("res2", ctypes.c_int64)]
+
+
+class _OpenHow(ctypes.Structure):
+    """`struct open_how` (linux/openat2.h)."""
+
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+@dataclass(slots=True)
+class _Op:
+    """A read in flight: what must stay alive until its completion event."""
+
+    fut: asyncio.Future[int]
+    iocb: _Iocb
+    view: memoryview  # kept alive until the kernel is done with it
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (the export is released before returning)."""
+    anchor = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+class AioReads:
+    """O_DIRECT reads submitted from one event loop and completed through an eventfd."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, libc: ctypes.CDLL, numbers: dict[str, int],
+                 ctx: int, efd: int, depth: int) -> None:
+        self._loop, self._libc, self._nr = loop, libc, numbers
+        self._ctx = ctypes.c_ulong(ctx)
+        self._efd = efd
+        self._depth = depth
+        self._events = (_IoEvent * depth)()
+        self._ops: dict[int, _Op] = {}
+        self._next_tag = 1
+        self._closing = False
+        loop.add_reader(efd, self._reap)
+
+    @classmethod
+    def create(cls, depth: int = DEFAULT_DEPTH) -> AioReads | None:
+        """A context bound to the running loop, or None where native AIO is unavailable."""
+        numbers = _SYSCALLS.get(platform.machine())
+        if numbers is None or not hasattr(os, "eventfd") or not hasattr(os, "O_DIRECT"):
+            return None
+        loop = asyncio.get_running_loop()
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        ctx = ctypes.c_ulong(0)
+        if libc.syscall(ctypes.c_long(numbers["io_setup"]), ctypes.c_long(depth), ctypes.byref(ctx)) != 0:
+            logger.debug("native AIO unavailable (io_setup: %s): reads stay on threads",
+                         os.strerror(ctypes.get_errno()))
+            return None
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            reads = cls(loop, libc, numbers, ctx.value, efd, depth)
+        except (NotImplementedError, RuntimeError) as exc:  # a loop without add_reader
+            os.close(efd)
+            libc.syscall(ctypes.c_long(numbers["io_destroy"]), ctx)
+            logger.debug("native AIO unusable on this event loop (%s): reads stay on threads", exc)
+            return None
+        if not reads._probe_openat2():
+            reads.close()
+            return None
+        return reads
+
+    def usable(self) -> bool:
+        """On the loop this context belongs to, and open."""
+        if self._closing:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._ops)
+
+    def _probe_openat2(self) -> bool:
+        try:
+            os.close(self.open_cached("/", direct=False))
+            return True
+        except (WouldBlock, OSError) as exc:
+            logger.debug("openat2(RESOLVE_CACHED) unavailable (%s): reads stay on threads", exc)
+            return False
+
+    # ----- open and read ----------------------------------------------------------------
+
+    def open_cached(self, path: str, *, direct: bool = True) -> int:
+        """`open(path, O_RDONLY [| O_DIRECT])` if every component of `path` is in the lookup
+        cache; WouldBlock if it is not (or the file system refuses O_DIRECT); OSError else
+        (FileNotFoundError for a file that is gone)."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        how = _OpenHow(flags, 0, _RESOLVE_CACHED)
+        fd = self._libc.syscall(ctypes.c_long(self._nr["openat2"]), ctypes.c_long(_AT_FDCWD),
+                                ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
+                                ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EINVAL):  # not cached; O_DIRECT refused: the thread path decides
+            raise WouldBlock(f"openat2: {os.strerror(err)}")
+        raise OSError(err, os.strerror(err), path)
+
+    def submit(self, fd: int, reads: Sequence[tuple[memoryview, int]]) -> list[asyncio.Future[int]]:
+        """Submit reads of `fd` together, each (buffer aligned for O_DIRECT, file offset); the
+        futures of those the kernel took, in order: each resolves to the bytes read (fewer only
+        at end of file), or fails with WouldBlock (it would have waited: nothing was read) or
+        OSError. Fewer futures than reads: the context had no room for the rest. WouldBlock:
+        none was taken.
+
+        The buffers belong to the reads until their futures are done, whatever happens to the
+        task that submitted them: await the futures through `asyncio.shield`, and on
+        cancellation hand the clean-up to `after`."""
+        if self._closing:
+            raise WouldBlock("closing")
+        room = min(len(reads), self._depth - len(self._ops))
+        if room < 1:
+            raise WouldBlock("context full")
+        ops = []
+        for view, offset in reads[:room]:
+            tag, self._next_tag = self._next_tag, self._next_tag + 1
+            iocb = _Iocb(data=tag, rw_flags=_RWF_NOWAIT, lio_opcode=_IOCB_CMD_PREAD, fildes=fd,
+                         buf=buffer_address(view), nbytes=len(view), offset=offset, flags=_IOCB_FLAG_RESFD,
+                         resfd=self._efd)
+            ops.append(_Op(self._loop.create_future(), iocb, view))
+        iocbs = (ctypes.POINTER(_Iocb) * len(ops))(*(ctypes.pointer(op.iocb) for op in ops))
+        taken = self._libc.syscall(ctypes.c_long(self._nr["io_submit"]), self._ctx, ctypes.c_long(len(ops)), iocbs)
+        if taken < 1:
+            err = ctypes.get_errno() if taken else errno.EAGAIN
+            if err in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without RWF_NOWAIT reads (tmpfs)
+                raise Unsupported(f"io_submit: {os.strerror(err)}")
+            raise WouldBlock(f"io_submit: {os.strerror(err)}")
+        for op in ops[:taken]:
+            self._ops[op.iocb.data] = op
+        return [op.fut for op in ops[:taken]]
+
+    @staticmethod
+    def after(futs: Sequence[asyncio.Future[int]], fn: Callable[[], None]) -> None:
+        """Run `fn` once every one of `futs` is done (now, if they are): the clean-up of reads
+        whose submitter stopped waiting for them. Their outcomes are dropped."""
+        pending = [f for f in futs if not f.done()]
+        for f in futs:
+            if f.done() and not f.cancelled():
+                f.exception()  # retrieved: no "never retrieved" warning for a dropped failure
+        if not pending:
+            fn()
+            return
+        left = [len(pending)]
+
+        def one(f: asyncio.Future[int]) -> None:
+            if not f.cancelled():
+                f.exception()
+            left[0] -= 1
+            if not left[0]:
+                fn()
+
+        for f in pending:
+            f.add_done_callback(one)
+
+    def _reap(self) -> None:
+        """The eventfd is readable: settle every completed read."""
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        while True:
+            n = self._libc.syscall(ctypes.c_long(self._nr["io_getevents"]), self._ctx, ctypes.c_long(0),
+                                   ctypes.c_long(self._depth), self._events, None)
+            if n <= 0:
+                break
+            for i in range(n):
+                event = self._events[i]
+                op = self._ops.pop(event.data, None)
+                if op is not None:
+                    self._settle(op, event.res)
+            if n < self._depth:
+                break
+        if self._closing and not self._ops:
+            self._destroy()
+
+    @staticmethod
+    def _settle(op: _Op, res: int) -> None:
+        if op.fut.done():
+            return
+        if res >= 0:
+            op.fut.set_result(res)
+        elif -res in _NOT_HERE:
+            op.fut.set_exception(WouldBlock(f"read: {os.strerror(-res)}"))
+        else:
+            op.fut.set_exception(OSError(-res, os.strerror(-res)))
+
+    # ----- life cycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """No new reads; the context goes once the reads in flight have completed."""
+        if self._closing:
+            return
+        self._closing = True
+        if not self._ops:
+            self._destroy()
+
+    def _destroy(self) -> None:
+        if self._efd < 0:
+            return
+        try:
+            self._loop.remove_reader(self._efd)
+        except RuntimeError:  # the loop is closed already
+            pass
+        self._libc.syscall(ctypes.c_long(self._nr["io_destroy"]), self._ctx)
+        os.close(self._efd)
+        self._efd = -1
