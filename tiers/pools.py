@@ -457,7 +457,18 @@ class PoolSet:
         return alloc
 
     def reserve(self, kind: int, payload_len: int) -> Allocation | None:
-        return self.reserve_many(kind, payload_len, 1)
+        """One record's pages (None: the budget cannot fit them): `reserve_many(..., 1)` with
+        each lookup done once, as the host tier calls it for every put."""
+        pool = self.pool_for(kind)
+        n = pool.num_pages_for(payload_len)
+        overhead = record_overhead_bytes(n)
+        budget = self.budget
+        if not budget.can_hold(pool.growth_bytes(n) + overhead):
+            return None
+        budget.hold(overhead)
+        alloc = Allocation(kind, tuple(pool.allocate(n)), payload_len, pool.page_bytes)
+        self._count(alloc, +1)
+        return alloc
 
     def release(self, alloc: Allocation) -> None:
         self.pool_for(alloc.kind).free(alloc.page_ids)
@@ -465,7 +476,9 @@ class PoolSet:
         self._count(alloc, -1)
 
     def _count(self, alloc: Allocation, sign: int) -> None:
-        tally = self._tally.setdefault(alloc.kind, _KindTally())
+        tally = self._tally.get(alloc.kind)
+        if tally is None:  # (not setdefault: that builds a tally on every call)
+            tally = self._tally[alloc.kind] = _KindTally()
         tally.num_records += sign * alloc.count
         tally.payload_bytes += sign * alloc.count * alloc.payload_len
         tally.footprint_bytes += sign * alloc.footprint_bytes
