@@ -51,7 +51,7 @@ _RWF_NOWAIT = 0x8
 _RESOLVE_CACHED = 0x20
 _AT_FDCWD = -100
 _NOT_HERE = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)  # results that send a read to a thread
-DEFAULT_DEPTH = 256  # reads in flight per context; a submission beyond them is done on a thread
+DEFAULT_DEPTH = 64  # reads in flight per context (a tier keeps max_concurrency per get_many); more go to threads
 
 
 class WouldBlock(Exception):
@@ -250,7 +250,11 @@ class AioReads:
         while True:
             n = self._libc.syscall(ctypes.c_long(self._nr["io_getevents"]), self._ctx, ctypes.c_long(0),
                                    ctypes.c_long(self._depth), self._events, None)
+            if n < 0 and ctypes.get_errno() == errno.EINTR:
+                continue  # the eventfd is drained: these events would not wake the loop again
             if n <= 0:
+                if n < 0:
+                    logger.error("io_getevents: %s", os.strerror(ctypes.get_errno()))
                 break
             for i in range(n):
                 event = self._events[i]

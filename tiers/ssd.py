@@ -1272,7 +1272,8 @@ class SSDTier(Tier):
             release()
             if isinstance(exc, Unsupported):  # not on this file system: stop trying
                 logger.info("ssd tier %s: reads stay on threads (%s)", self._layout.root, exc)
-                self._aio, _ = None, aio.close()
+                aio.close()
+                self._aio = None
             if isinstance(exc, WouldBlock):
                 return None
             if isinstance(exc, OSError):
