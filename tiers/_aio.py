@@ -1,11 +1,14 @@
 """Reads of the SSD tier on the event loop itself: Linux native AIO, no thread hop.
 
-Why: a read handed to a worker thread (`tiers._hop`) pays two wake-ups, the worker's and then
-the loop's, on top of the device. On the development VM (a Firecracker guest whose idle vCPUs
-halt) that was ~90 us around a 256 KiB O_DIRECT read of ~200 us, the main reason a get at queue
-depth 1 reached only 0.64 of a plain blocking read. A native AIO read is submitted from the
-loop and completes by bumping an eventfd that the loop watches: one wake-up, the device's, as
-for the blocking read. The same loop keeps any number of reads in flight without threads.
+A native AIO read is submitted from the loop and completes by bumping an eventfd that the loop
+watches, so the loop keeps any number of reads in flight without threads and without a hop per
+read (`tiers._hop`). What that buys, measured on the development VM (bench/tiers.py,
+`vs_threads`: the same tier with every read on threads, in the same rounds): `get_many` of
+256 KiB records at depth 4 1.14-1.35x, because a batch's reads are all in flight from one
+thread; a single get at depth 1 1.00-1.03x, because a completion through the loop costs about
+what the hop did (this VM's idle vCPUs halt, and waking the loop is the same VM exit either
+way). From 1 MiB the tier keeps its threads: there the payload hash (~80 us per cold MiB) is
+what costs, and the threads take it in parallel without the GIL while the loop would queue it.
 
 Nothing here may block the loop on the disk, so each step that could falls back instead:
 - the file is opened with `openat2(RESOLVE_CACHED)`, which fails with EAGAIN unless every path
