@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -771,22 +772,25 @@ def test_sigkill_while_records_are_deleted_and_recycled(tmp_path: Path) -> None:
     asyncio.run(check())
 
 
-def _fs_dirs(tmp_path: Path) -> list[Path]:
+@pytest.fixture
+def fs_dirs(tmp_path: Path) -> Iterator[list[Path]]:
     """The test's own directory, and a tmpfs one where the machine has /dev/shm (O_DIRECT is
-    refused there by older kernels: the buffered fallback)."""
+    refused there by older kernels: the buffered fallback), removed afterwards (it is RAM)."""
     dirs = [tmp_path]
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
         dirs.append(Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ssd-test-")))
-    return dirs
+    yield dirs
+    for extra in dirs[1:]:
+        shutil.rmtree(extra, ignore_errors=True)
 
 
 @pytest.mark.parametrize("where", ["tmp_path", "tmpfs"])
-async def test_large_get_lends_its_read_buffer_and_takes_it_back(tmp_path: Path, where: str) -> None:
+async def test_large_get_lends_its_read_buffer_and_takes_it_back(fs_dirs: list[Path], where: str) -> None:
     """A get of a record >= LEND_MIN_BYTES, or of one from SMALL_LEND_MIN_BYTES whose buffer is a
     small one, returns the payload as a read-only view of the pooled buffer it was read into; the
     buffer serves the next get only once that view is gone. Records between (their buffer would be
     a 2 MiB huge page) and below are copied."""
-    dirs = _fs_dirs(tmp_path)
+    dirs = fs_dirs
     if where == "tmpfs" and len(dirs) < 2:
         pytest.skip("no writable /dev/shm")
     root = dirs[-1] if where == "tmpfs" else dirs[0]
