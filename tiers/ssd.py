@@ -489,6 +489,9 @@ class _ReadResult:
     error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
+_GetJob = tuple[int, str, RecordKey, "_Entry"]  # get_many: (index in the keys, path, key, index entry)
+
+
 def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffers: _fs.IOBuffers) -> list[_ReadResult]:
     """Worker thread: `_read_record` for each (path, key, file size, direct, lend); never raises per file."""
     return [_read_record(path, key, file_bytes, direct, lend, buffers) for path, key, file_bytes, direct, lend in jobs]
@@ -1244,11 +1247,9 @@ class SSDTier(Tier):
         would wait on the loop (a path not in the lookup cache, a read that would block, no
         native AIO) or the record is not one for it: the caller then reads on a worker thread."""
         aio = self._aio
-        if aio is None or entry.header.flags or entry.file_bytes >= LOOP_READ_MAX_FILE_BYTES or not aio.usable():
+        if aio is None or not self._loop_readable(entry) or not aio.usable():
             return None
-        direct, lend = self._read_mode(entry)
-        if not direct:
-            return None
+        lend = self._read_mode(entry)[1]
         try:
             fd = aio.open_cached(path)
         except WouldBlock:
@@ -1327,14 +1328,28 @@ class SSDTier(Tier):
             SMALL_LEND_MIN_BYTES <= size and _fs.round_up(size + 1, _fs.ALIGN) <= _fs.SMALL_IO_BUFFER_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
-        """Reads split over `max_concurrency` worker threads, one thread hop per share; those
-        the event loop can do itself (`_read_on_loop`) first, `max_concurrency` in flight."""
+        """Reads split over `max_concurrency` worker threads, one thread hop per share, while
+        the records the event loop can read itself (`_read_on_loop`) are read there,
+        `max_concurrency` in flight; a loop read that would wait goes to the threads after."""
         self._check_open()
         index = self._index
         jobs = [(i, self._layout.path_str(k), k, index[k]) for i, k in enumerate(keys) if k in index]
         out: list[Record | None] = [None] * len(keys)
-        if self._aio is not None and jobs:
-            jobs = await self._get_many_on_loop(jobs, out)
+        on_loop = [job for job in jobs if self._loop_readable(job[3])] if self._aio is not None else []
+        if not on_loop:
+            await self._get_many_on_threads(jobs, out)
+            return out
+        on_threads = [job for job in jobs if not self._loop_readable(job[3])]
+        left: list[_GetJob] = []
+        await asyncio.gather(self._get_many_on_loop(on_loop, out, left), self._get_many_on_threads(on_threads, out))
+        await self._get_many_on_threads(left, out)
+        return out
+
+    def _loop_readable(self, entry: _Entry) -> bool:
+        """Whether `_read_on_loop` takes a record of this entry (as far as the index tells)."""
+        return not entry.header.flags and entry.file_bytes < LOOP_READ_MAX_FILE_BYTES and self._read_direct(entry)
+
+    async def _get_many_on_threads(self, jobs: list[_GetJob], out: list[Record | None]) -> None:
         shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
         results = await asyncio.gather(*(
             self._run(_read_records, [(p, k, e.file_bytes, *self._read_mode(e)) for _, p, k, e in share], self._buffers)
@@ -1342,15 +1357,12 @@ class SSDTier(Tier):
         for share, share_results in zip(shares, results):
             for (i, path, key, _), result in zip(share, share_results):
                 out[i] = result.record if result.record is not None else await self._finish_get(key, path, result)
-        return out
 
-    async def _get_many_on_loop(self, jobs: list[tuple[int, str, RecordKey, _Entry]],
-                                out: list[Record | None]) -> list[tuple[int, str, RecordKey, _Entry]]:
+    async def _get_many_on_loop(self, jobs: list[_GetJob], out: list[Record | None], left: list[_GetJob]) -> None:
         """`get_many`'s reads on the loop, `max_concurrency` at a time, each share in order;
-        returns the jobs left to the worker threads."""
-        left: list[tuple[int, str, RecordKey, _Entry]] = []
+        the jobs it cannot do there go to `left`."""
 
-        async def share(part: list[tuple[int, str, RecordKey, _Entry]]) -> None:
+        async def share(part: list[_GetJob]) -> None:
             for job in part:
                 i, path, key, entry = job
                 result = await self._read_on_loop(path, key, entry)
@@ -1359,12 +1371,8 @@ class SSDTier(Tier):
                 else:
                     out[i] = result.record if result.record is not None else await self._finish_get(key, path, result)
 
-        shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
-        if len(shares) == 1:
-            await share(shares[0])
-        else:
-            await asyncio.gather(*(share(part) for part in shares))
-        return left
+        await asyncio.gather(*(share(jobs[i:: self._max_concurrency])
+                               for i in range(min(self._max_concurrency, len(jobs)))))
 
     async def _finish_get(self, key: RecordKey, path: str, result: _ReadResult) -> Record | None:
         if result.record is not None:
