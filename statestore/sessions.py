@@ -55,6 +55,11 @@ one Redis Cluster hash tag, i.e. one slot, as the kinds of a block do. A manifes
 layout; manifests written before the field existed are layout 1."""
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 REPLAY_MODES = ("exact", "bounded", "off")
+# Block pairs a resume loads at once. After a restart they come from the SSD tier, whose reads
+# then overlap (worker threads; native AIO from the loop for records below 1 MiB): 256 records of
+# 228 KB (V4.1 global-KV blocks) from a cold SSD tier through `TieredStore.get`, 144 ms one at a
+# time against 92 ms eight at a time on the development VM.
+LOAD_BLOCKS_IN_FLIGHT = 8
 _PERSON_SESSION = b"ss.session.v1"
 _PERSON_OBJECT = b"ss.sess-obj.v1"
 T = TypeVar("T")
@@ -663,13 +668,16 @@ class SessionManager:
         payloads: list[StatePayload] = []
         nbytes = 0
         b = manifest.block_size
-        for i, hex_key in enumerate(manifest.block_keys):
-            pair = await self._load_pair(tenant, bytes.fromhex(hex_key))
-            if pair is None:
-                logger.warning("session %s: block %d is gone from every tier; it will be recomputed", session_id, i)
-                return payloads, i * b, nbytes
-            payloads += pair
-            nbytes += sum(len(p.payload) for p in pair)
+        keys = [bytes.fromhex(hex_key) for hex_key in manifest.block_keys]
+        for lo in range(0, len(keys), LOAD_BLOCKS_IN_FLIGHT):
+            pairs = await asyncio.gather(*(self._load_pair(tenant, key)
+                                           for key in keys[lo:lo + LOAD_BLOCKS_IN_FLIGHT]))
+            for i, pair in enumerate(pairs, start=lo):
+                if pair is None:
+                    logger.warning("session %s: block %d is gone from every tier; it will be recomputed", session_id, i)
+                    return payloads, i * b, nbytes
+                payloads += pair
+                nbytes += sum(len(p.payload) for p in pair)
         if manifest.tail_end > manifest.tail_start:
             keys = [key[2:] for key in self._object_keys(tenant, session_id, manifest)[1:3]]
             pair = await self._load_pair(tenant, *keys)
