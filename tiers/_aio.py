@@ -41,6 +41,8 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tiers._fs import address_of
+
 logger = logging.getLogger(__name__)
 
 # Syscall numbers (the C library wraps neither the AIO calls nor openat2).
@@ -96,15 +98,6 @@ class _Op:
     fut: asyncio.Future[int]
     iocb: _Iocb
     view: memoryview  # kept alive until the kernel is done with it
-
-
-def buffer_address(view: memoryview) -> int:
-    """The address of a writable buffer's first byte (the export is released before returning)."""
-    anchor = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
 
 
 class AioReads:
@@ -207,7 +200,7 @@ class AioReads:
         for view, offset in reads[:room]:
             tag, self._next_tag = self._next_tag, self._next_tag + 1
             iocb = _Iocb(data=tag, rw_flags=_RWF_NOWAIT, lio_opcode=_IOCB_CMD_PREAD, fildes=fd,
-                         buf=buffer_address(view), nbytes=len(view), offset=offset, flags=_IOCB_FLAG_RESFD,
+                         buf=address_of(view), nbytes=len(view), offset=offset, flags=_IOCB_FLAG_RESFD,
                          resfd=self._efd)
             ops.append(_Op(self._loop.create_future(), iocb, view))
         iocbs = (ctypes.POINTER(_Iocb) * len(ops))(*(ctypes.pointer(op.iocb) for op in ops))

@@ -167,7 +167,7 @@ def map_io_buffer(nbytes: int) -> memoryview:
         return memoryview(private_map(round_up(max(nbytes, 1), ALIGN)))
     size = round_up(nbytes, HUGE_PAGE)
     whole = private_map(size + HUGE_PAGE)
-    start = -_address_of(whole) % HUGE_PAGE
+    start = -address_of(whole) % HUGE_PAGE
     advise_huge_pages(whole, start, size)
     return memoryview(whole)[start: start + size]
 
@@ -189,8 +189,8 @@ def advise_huge_pages(buf: mmap.mmap, start: int = 0, length: int = 0) -> None:
             pass
 
 
-def _address_of(buf: mmap.mmap) -> int:
-    """The address of a map's first byte (the export is released before returning)."""
+def address_of(buf: mmap.mmap | memoryview) -> int:
+    """The address of a writable buffer's first byte (the export is released before returning)."""
     anchor = ctypes.c_char.from_buffer(buf)
     try:
         return ctypes.addressof(anchor)
