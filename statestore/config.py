@@ -16,6 +16,7 @@ TOML layout (every key optional)::
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
                ssd_recycle_bytes = -1  # deleted records' files kept for reuse: -1 automatic, 0 none
+               ssd_loop_reads = true   # SSD reads below 1 MiB on the event loop (native AIO); false: threads
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
                policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
                profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
@@ -95,6 +96,9 @@ class ServiceConfig:
     # Deleted records' files kept for reuse (`tiers.ssd` recycled spares); -1 = automatic
     # (256 MiB, at most a quarter of the budget, none on copy-on-write file systems), 0 = none.
     ssd_recycle_bytes: int = -1
+    # SSD reads of records below 1 MiB on the event loop with Linux native AIO where the kernel
+    # allows it (`tiers._aio`); False: every read on the tier's worker threads.
+    ssd_loop_reads: bool = True
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
     # Kinds whose records are a cache (names or codes, e.g. "opaque" for LMCache chunks): their
@@ -231,6 +235,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "host_budget_bytes"): "host_budget_bytes",
     ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
     ("storage", "ssd_recycle_bytes"): "ssd_recycle_bytes",
+    ("storage", "ssd_loop_reads"): "ssd_loop_reads",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
     ("storage", "cache_kinds"): "cache_kinds",
@@ -246,6 +251,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("quotas", "max_bytes"): "quota_max_bytes",
     ("quotas", "max_sessions"): "quota_max_sessions",
 }
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "on": True, "off": False}
 _SHORT_ENV = {"STATESTORE_LISTEN": "listen", "STATESTORE_DATA_DIR": "data_dir", "STATESTORE_TOKENS": "tokens"}
 _TYPES = {f.name: f.type for f in fields(ServiceConfig)}
 
@@ -269,6 +275,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, (str, int)) for v in value):
                 raise ValueError("expected kind names or codes, e.g. [\"opaque\"] or \"opaque,6\"")
             return tuple(str(v).lower() for v in value)
+        if kind == "bool":
+            if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+                return _BOOL_WORDS[value.strip().lower()]
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false ({', '.join(_BOOL_WORDS)})")
+            return value
         if kind == "int":
             if isinstance(value, bool) or (not isinstance(value, (int, str))):
                 raise ValueError("expected an integer")

@@ -21,7 +21,7 @@ from proto.statestore.v1 import common_pb2, statestore_pb2, statestore_pb2_grpc
 from statestore.client import ClientOptions, ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
-from statestore.types import Durability
+from statestore.types import Durability, TierName
 from tests.service import assert_rejected
 from tiers.record import HEADER_SIZE, Record, encode_record, make_record
 
@@ -167,6 +167,18 @@ async def test_register_model_is_bounded(alice: StateStoreClient, server: StateS
     again, _ = await alice.register_model(model_name="m", weights_id="w-0", config_json="{}", layout_version=1,
                                           specs=specs)
     assert again == first  # a known description still registers
+
+
+async def test_ssd_loop_reads_can_be_turned_off(tmp_path: Path) -> None:
+    """`storage.ssd_loop_reads = false` reaches the SSD tier: every read stays on its threads
+    (on, the default, it reads on the event loop where native AIO exists: tiers/_aio.py)."""
+    config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", ssd_loop_reads=False)
+    async with StateStoreServer(config) as srv, StateStoreClient(f"127.0.0.1:{srv.port}") as c:
+        assert srv.ssd._aio is None
+        r = record(srv, 1, nbytes=300_000)  # O_DIRECT-sized, below 1 MiB: a loop read when they are on
+        await c.put_records([r], Durability.LOCAL)
+        assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
+        assert (await c.get_records([r.key]))[0].payload == r.payload  # read from the SSD, on a thread
 
 
 async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:

@@ -40,6 +40,15 @@ def test_toml_then_env_overrides(tmp_path: Path) -> None:
     assert load_config(env={"STATESTORE_TOKENS": "a=12345678,b=87654321"}).tokens == {"a": "12345678", "b": "87654321"}
 
 
+def test_ssd_loop_reads_from_toml_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "l.toml"
+    path.write_text("[storage]\nssd_loop_reads = false\n")
+    assert load_config(env={}).ssd_loop_reads is True
+    assert load_config(path, env={}).ssd_loop_reads is False
+    assert load_config(path, env={"STATESTORE_STORAGE_SSD_LOOP_READS": "on"}).ssd_loop_reads is True
+    assert load_config(env={"STATESTORE_STORAGE_SSD_LOOP_READS": "0"}).ssd_loop_reads is False
+
+
 def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text("[storage]\ncache_kinds = [\"OPAQUE\", 3]\n")
@@ -65,6 +74,8 @@ def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     ("[storage]\ncache_kinds = \"opaque\"\n", {"STATESTORE_STORAGE_CACHE_KINDS": "0"}, "'0' is not a kind"),
     ("[storage]\ncache_kinds = [1.5]\n", {}, "expected kind names or codes"),
     ("", {"STATESTORE_STORAGE_SSD_RECYCLE_BYTES": "-2"}, "storage.ssd_recycle_bytes: -2 < -1"),
+    ("[storage]\nssd_loop_reads = 1\n", {}, "ssd_loop_reads from"),
+    ("", {"STATESTORE_STORAGE_SSD_LOOP_READS": "maybe"}, "expected true or false"),
 ])
 def test_invalid_settings_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
     path = tmp_path / "bad.toml"
