@@ -24,8 +24,8 @@ missing (another OS or architecture, a kernel before 5.12, a seccomp filter refu
 `io_setup`), `AioReads.create` returns None and the tier keeps its threads.
 
 A read in flight owns its buffer until the kernel is done with it, even if the task that
-awaited it was cancelled: `after(futures, clean_up)` hands the clean-up (close the fd, give the
-buffer back) to the completions. `close()` waits for the reads in flight before it destroys the
+awaited it was cancelled: `after(future, clean_up)` hands the clean-up (close the fd, give the
+buffer back) to the completion. `close()` waits for the reads in flight before it destroys the
 context, so a buffer is never returned while the device may still write into it.
 """
 
@@ -38,7 +38,7 @@ import errno
 import logging
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiers._fs import address_of
@@ -181,61 +181,45 @@ class AioReads:
             raise WouldBlock(f"openat2: {os.strerror(err)}")
         raise OSError(err, os.strerror(err), path)
 
-    def submit(self, fd: int, reads: Sequence[tuple[memoryview, int]]) -> list[asyncio.Future[int]]:
-        """Submit reads of `fd` together, each (buffer aligned for O_DIRECT, file offset); the
-        futures of those the kernel took, in order: each resolves to the bytes read (fewer only
-        at end of file), or fails with WouldBlock (it would have waited: nothing was read) or
-        OSError. Fewer futures than reads: the context had no room for the rest. WouldBlock:
-        none was taken.
+    def submit(self, fd: int, view: memoryview, offset: int) -> asyncio.Future[int]:
+        """Submit a read of `fd` at `offset` into `view` (aligned for O_DIRECT); the future
+        resolves to the bytes read (fewer only at end of file), or fails with WouldBlock (it
+        would have waited: nothing was read) or OSError. WouldBlock (Unsupported) here: the
+        context or the file system refused it, nothing is in flight.
 
-        The buffers belong to the reads until their futures are done, whatever happens to the
-        task that submitted them: await the futures through `asyncio.shield`, and on
-        cancellation hand the clean-up to `after`."""
+        `view` belongs to the read until the future is done, whatever happens to the task that
+        submitted it: await it through `asyncio.shield`, and on cancellation hand the clean-up
+        to `after`."""
         if self._closing:
             raise WouldBlock("closing")
-        room = min(len(reads), self._depth - len(self._ops))
-        if room < 1:
+        if len(self._ops) >= self._depth:
             raise WouldBlock("context full")
-        ops = []
-        for view, offset in reads[:room]:
-            tag, self._next_tag = self._next_tag, self._next_tag + 1
-            iocb = _Iocb(data=tag, rw_flags=_RWF_NOWAIT, lio_opcode=_IOCB_CMD_PREAD, fildes=fd,
-                         buf=address_of(view), nbytes=len(view), offset=offset, flags=_IOCB_FLAG_RESFD,
-                         resfd=self._efd)
-            ops.append(_Op(self._loop.create_future(), iocb, view))
-        iocbs = (ctypes.POINTER(_Iocb) * len(ops))(*(ctypes.pointer(op.iocb) for op in ops))
-        taken = self._libc.syscall(ctypes.c_long(self._nr["io_submit"]), self._ctx, ctypes.c_long(len(ops)), iocbs)
-        if taken < 1:
-            err = ctypes.get_errno() if taken else errno.EAGAIN
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        iocb = _Iocb(data=tag, rw_flags=_RWF_NOWAIT, lio_opcode=_IOCB_CMD_PREAD, fildes=fd, buf=address_of(view),
+                     nbytes=len(view), offset=offset, flags=_IOCB_FLAG_RESFD, resfd=self._efd)
+        iocbs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(iocb))
+        if self._libc.syscall(ctypes.c_long(self._nr["io_submit"]), self._ctx, ctypes.c_long(1), iocbs) != 1:
+            err = ctypes.get_errno()
             if err in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without RWF_NOWAIT reads (tmpfs)
                 raise Unsupported(f"io_submit: {os.strerror(err)}")
             raise WouldBlock(f"io_submit: {os.strerror(err)}")
-        for op in ops[:taken]:
-            self._ops[op.iocb.data] = op
-        return [op.fut for op in ops[:taken]]
+        op = self._ops[tag] = _Op(self._loop.create_future(), iocb, view)
+        return op.fut
 
     @staticmethod
-    def after(futs: Sequence[asyncio.Future[int]], fn: Callable[[], None]) -> None:
-        """Run `fn` once every one of `futs` is done (now, if they are): the clean-up of reads
-        whose submitter stopped waiting for them. Their outcomes are dropped."""
-        pending = [f for f in futs if not f.done()]
-        for f in futs:
-            if f.done() and not f.cancelled():
-                f.exception()  # retrieved: no "never retrieved" warning for a dropped failure
-        if not pending:
-            fn()
-            return
-        left = [len(pending)]
+    def after(fut: asyncio.Future[int], fn: Callable[[], None]) -> None:
+        """Run `fn` once `fut` is done (now, if it is): the clean-up of a read whose submitter
+        stopped waiting for it. Its outcome is dropped."""
 
-        def one(f: asyncio.Future[int]) -> None:
+        def done(f: asyncio.Future[int]) -> None:
             if not f.cancelled():
-                f.exception()
-            left[0] -= 1
-            if not left[0]:
-                fn()
+                f.exception()  # retrieved: no "never retrieved" warning for a dropped failure
+            fn()
 
-        for f in pending:
-            f.add_done_callback(one)
+        if fut.done():
+            done(fut)
+        else:
+            fut.add_done_callback(done)
 
     def _reap(self) -> None:
         """The eventfd is readable: settle every completed read."""

@@ -1268,7 +1268,7 @@ class SSDTier(Tier):
                 self._buffers.give(buf)
 
         try:
-            (fut,) = aio.submit(fd, [(buf[:size], 0)])
+            fut = aio.submit(fd, buf[:size], 0)
         except BaseException as exc:
             release()
             if isinstance(exc, Unsupported):  # not on this file system: stop trying
@@ -1283,7 +1283,7 @@ class SSDTier(Tier):
         try:
             got = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            aio.after([fut], release)  # the buffer is free once the read has landed
+            aio.after(fut, release)  # the buffer is free once the read has landed
             raise
         except (WouldBlock, OSError) as exc:
             release()

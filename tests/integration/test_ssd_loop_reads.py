@@ -197,11 +197,11 @@ async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
     buf = map_io_buffer(1 << 20)
     fd = aio.open_cached(str(path))
     try:
-        (fut,) = aio.submit(fd, [(buf, 0)])
+        fut = aio.submit(fd, buf, 0)
         aio.close()
         assert aio._efd >= 0 and not aio.usable()
         with pytest.raises(WouldBlock):
-            aio.submit(fd, [(buf, 0)])
+            aio.submit(fd, buf, 0)
         assert await asyncio.shield(fut) == 1 << 20
         assert aio._efd == -1  # destroyed once the last read was reaped
         assert bytes(buf[: 1 << 20]) == path.read_bytes()
