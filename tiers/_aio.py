@@ -4,8 +4,8 @@ A native AIO read is submitted from the loop and completes by bumping an eventfd
 watches, so the loop keeps any number of reads in flight without threads and without a hop per
 read (`tiers._hop`). What that buys, measured on the development VM (bench/tiers.py,
 `vs_threads`: the same tier with every read on threads, in the same rounds): `get_many` of
-256 KiB records at depth 4 1.14-1.35x, because a batch's reads are all in flight from one
-thread; a single get at depth 1 1.00-1.03x, because a completion through the loop costs about
+256 KiB records at depth 4 1.08-1.35x, because a batch's reads are all in flight from one
+thread; a single get at depth 1 0.86-1.03x, because a completion through the loop costs about
 what the hop did (this VM's idle vCPUs halt, and waking the loop is the same VM exit either
 way). From 1 MiB the tier keeps its threads: there the payload hash (~80 us per cold MiB) is
 what costs, and the threads take it in parallel without the GIL while the loop would queue it.

@@ -152,7 +152,7 @@ DELIVER_MIN_BYTES = 4 << 20
 # (`tiers._aio`: no thread hop) when they are O_DIRECT-sized, uncompressed and their path is in the
 # lookup cache; the payload checksum is then taken on the loop too. bench/tiers.py (`vs_threads`,
 # the same tier with every read on threads, same rounds) on the development VM: 256 KiB get_many
-# at depth 4 1.14-1.26x, depth-1 gets 1.02-1.03x; from 1 MiB on the loop lost 2-7% (the hashes,
+# at depth 4 1.08-1.35x (eight of nine runs), depth-1 gets 0.86-1.03x; from 1 MiB on the loop lost 2-7% (the hashes,
 # ~80 us per cold MiB, queue on the loop, where the threads take them in parallel without the GIL).
 LOOP_READ_MAX_FILE_BYTES = 1 << 20
 # Free I/O buffers the tier keeps beyond one per thread, for a second (`tiers._fs.IOBuffers`):
