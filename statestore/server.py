@@ -110,6 +110,11 @@ def _lent_bytes(i: int, start: common_pb2.RecordStart, lent: Any) -> int:
     return start.lent_bytes
 
 
+def _slot_bytes(total_bytes: int, into: _LentInto | None) -> int:
+    """The bytes of a `total_bytes` record that go in its slot (the rest, if any, into lent memory)."""
+    return total_bytes - (into.bytes if into is not None else 0)
+
+
 def _found_start(key: bytes, total: int, into: _LentInto | None, verified: bool = False) -> Any:
     """The start message of a record GetRecords found (and where its lent bytes went, if any)."""
     return common_pb2.RecordChunk(start=common_pb2.RecordStart(
@@ -400,7 +405,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     record, delivered, into = await self._get_delivering(key, tid, slots, shm_buf, dests[i])
                     if delivered:  # the SSD tier read it straight into its slot: only its header is left
                         total = encoded_size(record)
-                        write_slot_header(shm_buf, slots.take(total - (into.bytes if into else 0)), record)
+                        write_slot_header(shm_buf, slots.take(_slot_bytes(total, into)), record)
                         yield _found_start(key, total, into, verified=into is not None)
                         sent_bytes += total
                         continue
@@ -412,7 +417,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 total = encoded_size(record)
                 into = dests[i] if slots is not None and dests[i] is not None and \
                     dests[i].total_bytes == total else None
-                at = slots.take(total - (into.bytes if into else 0)) if slots is not None else None
+                at = slots.take(_slot_bytes(total, into)) if slots is not None else None
                 if at is not None:
                     lent_view = memoryview(lent)[into.offset:into.offset + into.bytes] if into else None
                     try:
@@ -444,7 +449,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         meta = self._owned(key, tid)
         size = meta.size_bytes if meta is not None else 0
         into = lent if lent is not None and lent.total_bytes == size else None
-        in_slot = size - (into.bytes if into is not None else 0)
+        in_slot = _slot_bytes(size, into)
         at = slots.peek(in_slot) if size >= _DELIVER_MIN_BYTES else None
         if at is None:
             return await self._store.get(key, expect_tenant=tid), False, None

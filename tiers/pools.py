@@ -444,31 +444,24 @@ class PoolSet:
 
     def reserve_many(self, kind: int, payload_len: int, count: int) -> Allocation | None:
         """`count` records of `payload_len` bytes as one allocation, all or none (None: the
-        budget cannot fit them). For capacity planning; the tier reserves one at a time."""
+        budget cannot fit them). For capacity planning; the tier reserves one at a time
+        (`reserve`), so each lookup is done once here."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
-        if not self.can_reserve(kind, payload_len, count):
-            return None
         pool = self.pool_for(kind)
         n = pool.num_pages_for(payload_len)
-        self.budget.hold(count * record_overhead_bytes(n))
+        overhead = count * record_overhead_bytes(n)
+        budget = self.budget
+        if not budget.can_hold(pool.growth_bytes(n * count) + overhead):
+            return None
+        budget.hold(overhead)
         alloc = Allocation(kind, tuple(pool.allocate(n * count)), payload_len, pool.page_bytes, count)
         self._count(alloc, +1)
         return alloc
 
     def reserve(self, kind: int, payload_len: int) -> Allocation | None:
-        """One record's pages (None: the budget cannot fit them): `reserve_many(..., 1)` with
-        each lookup done once, as the host tier calls it for every put."""
-        pool = self.pool_for(kind)
-        n = pool.num_pages_for(payload_len)
-        overhead = record_overhead_bytes(n)
-        budget = self.budget
-        if not budget.can_hold(pool.growth_bytes(n) + overhead):
-            return None
-        budget.hold(overhead)
-        alloc = Allocation(kind, tuple(pool.allocate(n)), payload_len, pool.page_bytes)
-        self._count(alloc, +1)
-        return alloc
+        """One record's pages (None: the budget cannot fit them)."""
+        return self.reserve_many(kind, payload_len, 1)
 
     def release(self, alloc: Allocation) -> None:
         self.pool_for(alloc.kind).free(alloc.page_ids)

@@ -532,6 +532,12 @@ def _read_verified(fd: int, key: RecordKey, file_bytes: int, buf: memoryview, ke
         data = _fs.read_upto(fd, file_bytes + 1, buf)
     except OSError as exc:
         return _ReadResult(None, error=exc)
+    return _decoded(fd, key, data, keep_view)
+
+
+def _decoded(fd: int, key: RecordKey, data: memoryview, keep_view: bool) -> _ReadResult:
+    """The record in `data` (read from `fd`), verified; a bad one names the inode read, so that
+    the caller quarantines exactly that file."""
     try:
         return _ReadResult(decode_record(data, expect_key=key, keep_view=keep_view))
     except RecordError as exc:
@@ -577,10 +583,7 @@ def _read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, 
         if target.filled:
             header, _ = decode_header(view[:HEADER_SIZE])
             return _ReadResult(Record(header, view[HEADER_SIZE:].toreadonly(), checksum))
-        try:
-            return _ReadResult(decode_record(view, expect_key=key, keep_view=True))
-        except RecordError as exc:
-            return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
+        return _decoded(fd, key, view, True)
     finally:
         os.close(fd)
 
@@ -1292,9 +1295,7 @@ class SSDTier(Tier):
             release()               # again and judges it (a truncated file is quarantined there)
             return None
         try:
-            return _ReadResult(decode_record(buf[:min(got, want)], expect_key=key, keep_view=lend))
-        except RecordError as exc:
-            return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
+            return _decoded(fd, key, buf[:min(got, want)], lend)
         finally:
             release()
 
