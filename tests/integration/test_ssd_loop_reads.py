@@ -74,7 +74,10 @@ async def test_damaged_records_read_on_the_loop_are_quarantined(tmp_path: Path, 
         path = record_path(root, flipped)
         data = bytearray(path.read_bytes())
         data[len(data) - 1000] ^= 0x40
-        path.write_bytes(bytes(data))
+        with open(path, "r+b") as f:  # synced: a dirty cached page makes an RWF_NOWAIT read
+            f.write(data)              # refuse (EAGAIN), and this read would take a thread
+            f.flush()
+            os.fsync(f.fileno())
         with open(record_path(root, truncated), "r+b") as f:
             f.truncate(LOOP_SIZES[1] // 2)
         assert await tier.get(flipped.key) is None
