@@ -16,7 +16,8 @@ TOML layout (every key optional)::
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
                ssd_recycle_bytes = -1  # deleted records' files kept for reuse: -1 automatic, 0 none
-               ssd_loop_reads = true   # SSD reads below 1 MiB on the event loop (native AIO); false: threads
+               ssd_loop_reads = true   # SSD reads below 2 MiB on the event loop (native AIO); false: threads
+               ssd_read_poll_us = 2000 # the loop polls for a lone such read's completion, up to this long; 0: never
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
                policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
                profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
@@ -96,9 +97,13 @@ class ServiceConfig:
     # Deleted records' files kept for reuse (`tiers.ssd` recycled spares); -1 = automatic
     # (256 MiB, at most a quarter of the budget, none on copy-on-write file systems), 0 = none.
     ssd_recycle_bytes: int = -1
-    # SSD reads of records below 1 MiB on the event loop with Linux native AIO where the kernel
+    # SSD reads of records below 2 MiB on the event loop with Linux native AIO where the kernel
     # allows it (`tiers._aio`); False: every read on the tier's worker threads.
     ssd_loop_reads: bool = True
+    # While one of those reads is the only one in flight the loop polls for its completion
+    # between its other work, for up to this long, instead of sleeping until it wakes it: a
+    # core busy meanwhile, for a read that lands without a halted vCPU to wake. 0: never.
+    ssd_read_poll_us: int = 2000
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
     # Kinds whose records are a cache (names or codes, e.g. "opaque" for LMCache chunks): their
@@ -141,6 +146,8 @@ class ServiceConfig:
         _check(self.ssd_budget_bytes >= 0, "storage.ssd_budget_bytes", f"{self.ssd_budget_bytes} < 0")
         _check(self.ssd_recycle_bytes >= -1, "storage.ssd_recycle_bytes",
                f"{self.ssd_recycle_bytes} < -1 (-1: automatic, 0: none)")
+        _check(0 <= self.ssd_read_poll_us <= 1_000_000, "storage.ssd_read_poll_us",
+               f"{self.ssd_read_poll_us} outside [0, 1000000] (0: never poll)")
         _check(self.redis_url == "" or self.redis_url.startswith(("redis://", "rediss://", "redis+cluster://")),
                "storage.redis_url", f"{self.redis_url!r} is not a redis:// URL")
         _check(self.policy in POLICIES, "storage.policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -236,6 +243,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "ssd_budget_bytes"): "ssd_budget_bytes",
     ("storage", "ssd_recycle_bytes"): "ssd_recycle_bytes",
     ("storage", "ssd_loop_reads"): "ssd_loop_reads",
+    ("storage", "ssd_read_poll_us"): "ssd_read_poll_us",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
     ("storage", "cache_kinds"): "cache_kinds",

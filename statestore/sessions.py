@@ -56,7 +56,7 @@ layout; manifests written before the field existed are layout 1."""
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 REPLAY_MODES = ("exact", "bounded", "off")
 # Block pairs a resume loads at once. After a restart they come from the SSD tier, whose reads
-# then overlap (worker threads; native AIO from the loop for records below 1 MiB): 256 records of
+# then overlap (worker threads; native AIO from the loop for records below 2 MiB): 256 records of
 # 228 KB (V4.1 global-KV blocks) from a cold SSD tier through `TieredStore.get`, 144 ms one at a
 # time against 92 ms eight at a time on the development VM.
 LOAD_BLOCKS_IN_FLIGHT = 8

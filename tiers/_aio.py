@@ -5,10 +5,13 @@ watches, so the loop keeps any number of reads in flight without threads and wit
 read (`tiers._hop`). What that buys, measured on the development VM (bench/tiers.py,
 `vs_threads`: the same tier with every read on threads, in the same rounds): `get_many` of
 256 KiB records at depth 4 1.08-1.35x, because a batch's reads are all in flight from one
-thread; a single get at depth 1 0.86-1.03x, because a completion through the loop costs about
-what the hop did (this VM's idle vCPUs halt, and waking the loop is the same VM exit either
-way). From 1 MiB the tier keeps its threads: there the payload hash (~80 us per cold MiB) is
-what costs, and the threads take it in parallel without the GIL while the loop would queue it.
+thread. A single get at depth 1 gained nothing through the eventfd (0.86-1.03x): this VM's
+idle vCPUs halt (`guest_halt_poll_ns` 0), and waking the loop from a completion is the same
+VM exit as waking it from a thread. So while a read is the only one in flight the loop polls
+the completion ring (`poll_s`, `_poll`) between its other work instead of sleeping: 256 KiB
+depth-1 gets 0.80-0.98 of the O_DIRECT reference polled against 0.73-0.94 through the
+eventfd. With several in flight the eventfd wakes it (polling there was slower). Records from
+2 MiB stay on the threads (`tiers.ssd.LOOP_READ_MAX_FILE_BYTES`).
 
 Nothing here may block the loop on the disk, so each step that could falls back instead:
 - the file is opened with `openat2(RESOLVE_CACHED)`, which fails with EAGAIN unless every path
@@ -56,7 +59,11 @@ _RWF_NOWAIT = 0x8
 _RESOLVE_CACHED = 0x20
 _AT_FDCWD = -100
 _NOT_HERE = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)  # results that send a read to a thread
+_AIO_RING_MAGIC = 0xA10A10A1
 DEFAULT_DEPTH = 64  # reads in flight per context (a tier keeps max_concurrency per get_many); more go to threads
+# How long the loop looks for completions between its other work before it waits on the eventfd
+# instead (`AioReads` poll_s): a 4 MiB read takes ~2 ms on the development VM's disk.
+DEFAULT_POLL_S = 0.002
 
 
 class WouldBlock(Exception):
@@ -85,6 +92,15 @@ class _IoEvent(ctypes.Structure):
                 ("res2", ctypes.c_int64)]
 
 
+class _AioRing(ctypes.Structure):
+    """The head of `struct aio_ring` (fs/aio.c), which the kernel maps into the process at the
+    context's address: completions are waiting while `head != tail` (libaio's user-space check)."""
+
+    _fields_ = [("id", ctypes.c_uint), ("nr", ctypes.c_uint), ("head", ctypes.c_uint), ("tail", ctypes.c_uint),
+                ("magic", ctypes.c_uint), ("compat_features", ctypes.c_uint),
+                ("incompat_features", ctypes.c_uint), ("header_length", ctypes.c_uint)]
+
+
 class _OpenHow(ctypes.Structure):
     """`struct open_how` (linux/openat2.h)."""
 
@@ -101,10 +117,12 @@ class _Op:
 
 
 class AioReads:
-    """O_DIRECT reads submitted from one event loop and completed through an eventfd."""
+    """O_DIRECT reads submitted from one event loop and completed through an eventfd, or,
+    while reads are in flight, by polling the completion ring between the loop's other work
+    (`poll_s`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, libc: ctypes.CDLL, numbers: dict[str, int],
-                 ctx: int, efd: int, depth: int) -> None:
+                 ctx: int, efd: int, depth: int, poll_s: float = DEFAULT_POLL_S) -> None:
         self._loop, self._libc, self._nr = loop, libc, numbers
         self._ctx = ctypes.c_ulong(ctx)
         self._efd = efd
@@ -113,10 +131,15 @@ class AioReads:
         self._ops: dict[int, _Op] = {}
         self._next_tag = 1
         self._closing = False
+        self._poll_s = poll_s
+        self._polling: asyncio.Handle | None = None
+        self._quiet_until = 0.0
+        ring = _AioRing.from_address(ctx)
+        self._ring = ring if ring.magic == _AIO_RING_MAGIC and ring.incompat_features == 0 else None
         loop.add_reader(efd, self._reap)
 
     @classmethod
-    def create(cls, depth: int = DEFAULT_DEPTH) -> AioReads | None:
+    def create(cls, depth: int = DEFAULT_DEPTH, poll_s: float = DEFAULT_POLL_S) -> AioReads | None:
         """A context bound to the running loop, or None where native AIO is unavailable."""
         numbers = _SYSCALLS.get(platform.machine())
         if numbers is None or not hasattr(os, "eventfd") or not hasattr(os, "O_DIRECT"):
@@ -131,7 +154,7 @@ class AioReads:
             return None
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            reads = cls(loop, libc, numbers, ctx.value, efd, depth)
+            reads = cls(loop, libc, numbers, ctx.value, efd, depth, poll_s)
         except (NotImplementedError, RuntimeError) as exc:  # a loop without add_reader
             os.close(efd)
             libc.syscall(ctypes.c_long(numbers["io_destroy"]), ctx)
@@ -204,6 +227,7 @@ class AioReads:
                 raise Unsupported(f"io_submit: {os.strerror(err)}")
             raise WouldBlock(f"io_submit: {os.strerror(err)}")
         op = self._ops[tag] = _Op(self._loop.create_future(), iocb, view)
+        self._watch()
         return op.fut
 
     @staticmethod
@@ -221,12 +245,39 @@ class AioReads:
         else:
             fut.add_done_callback(done)
 
+    def _watch(self) -> None:
+        """Start polling (`_poll`) when a read is the only one in flight."""
+        if self._poll_s > 0 and len(self._ops) == 1 and self._polling is None:
+            self._quiet_until = self._loop.time() + self._poll_s
+            self._polling = self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        """One look at the completion ring, then again on the loop's next pass, for up to
+        `poll_s`, while a single read is in flight. A callback that is always ready keeps the
+        loop from sleeping in epoll: the loop's other work runs between looks, and its vCPU
+        never halts, where waking a halted one (this VM: `guest_halt_poll_ns` 0) cost as much
+        as a 256 KiB read. The price: a core busy while a lone read is in flight, the price
+        the kernel's own polled I/O pays. With several in flight the eventfd wakes the loop:
+        completions keep coming to a busy loop, and polling there measured slower (256 KiB
+        get_many at depth 4: 0.92-0.95 of the reference polled, 1.05-1.06 not)."""
+        self._polling = None
+        if len(self._ops) != 1:
+            return
+        ring = self._ring
+        if ring is None or ring.head != ring.tail:
+            self._reap()  # (which polls anew if it settled one and another is now alone)
+            if self._polling is not None or len(self._ops) != 1:
+                return
+        if self._loop.time() < self._quiet_until:
+            self._polling = self._loop.call_soon(self._poll)
+
     def _reap(self) -> None:
         """The eventfd is readable: settle every completed read."""
         try:
             os.eventfd_read(self._efd)
         except BlockingIOError:
             pass
+        settled = False
         while True:
             n = self._libc.syscall(ctypes.c_long(self._nr["io_getevents"]), self._ctx, ctypes.c_long(0),
                                    ctypes.c_long(self._depth), self._events, None)
@@ -241,10 +292,13 @@ class AioReads:
                 op = self._ops.pop(event.data, None)
                 if op is not None:
                     self._settle(op, event.res)
+                    settled = True
             if n < self._depth:
                 break
         if self._closing and not self._ops:
             self._destroy()
+        elif settled:
+            self._watch()
 
     @staticmethod
     def _settle(op: _Op, res: int) -> None:
@@ -267,9 +321,16 @@ class AioReads:
         if not self._ops:
             self._destroy()
 
+    def _stop_polling(self) -> None:
+        if self._polling is not None:
+            self._polling.cancel()
+            self._polling = None
+
     def _destroy(self) -> None:
         if self._efd < 0:
             return
+        self._stop_polling()
+        self._ring = None  # unmapped by io_destroy
         try:
             self._loop.remove_reader(self._efd)
         except RuntimeError:  # the loop is closed already

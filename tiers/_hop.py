@@ -11,10 +11,11 @@ Firecracker guest with `haltpoll.guest_halt_poll_ns=0`, so an idle vCPU halts an
 wake-up is a VM exit plus an IPI. A round trip of an empty job costs ~30 us, but around a
 300 us blocking call (the loop thread sleeps meanwhile) it costs ~90 us of latency and ~40 us
 of loop-thread CPU (thread_time); at queue depth 1 that is a quarter of a 256 KiB O_DIRECT
-read. Pinning or busy-polling would hide it; neither belongs in a library on shared cores.
+read. Pinning would hide it, and does not belong in a library on shared cores; nor does a
+loop that spins while threads work (it holds the GIL they need to finish).
 
-Reads of records below 1 MiB skip the hop where the kernel allows (`tiers._aio`: native AIO
-from the loop); everything else comes here.
+Reads of records below 2 MiB skip the hop where the kernel allows (`tiers._aio`: native AIO
+from the loop, which polls for a lone read's completion); everything else comes here.
 
 The threads live as long as the tier (starting one per operation would cost more than the
 hop). They are daemon threads: at interpreter exit a job still queued is dropped like a

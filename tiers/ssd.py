@@ -88,7 +88,7 @@ import aiofiles.os
 import xxhash
 
 from tiers import _fs
-from tiers._aio import AioReads, Unsupported, WouldBlock
+from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
 from tiers._hop import Workers
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
 from tiers.record import (
@@ -150,11 +150,15 @@ SMALL_LEND_MIN_BYTES = 128 << 10
 DELIVER_MIN_BYTES = 4 << 20
 # Records whose file is smaller than this are read on the event loop with native AIO
 # (`tiers._aio`: no thread hop) when they are O_DIRECT-sized, uncompressed and their path is in the
-# lookup cache; the payload checksum is then taken on the loop too. bench/tiers.py (`vs_threads`,
-# the same tier with every read on threads, same rounds) on the development VM: 256 KiB get_many
-# at depth 4 1.08-1.35x (eight of nine runs), depth-1 gets 0.86-1.03x; from 1 MiB on the loop lost 2-7% (the hashes,
-# ~80 us per cold MiB, queue on the loop, where the threads take them in parallel without the GIL).
-LOOP_READ_MAX_FILE_BYTES = 1 << 20
+# lookup cache; the payload checksum is then taken on the loop too. A lone read in flight is
+# polled for (`read_poll_s`), so that a depth-1 get wakes no halted vCPU. Against the same tier
+# with every read on threads, same rounds, development VM: 256 KiB get_many at depth 4
+# 1.08-1.35x; depth-1 gets 256 KiB 0.80-0.98 of the O_DIRECT reference polled, 0.73-0.94 not,
+# 0.73-0.87 on threads; 1 MiB 0.83-0.85 polled, 0.72-0.78 on threads, at depth 4 level. From
+# 2 MiB the loop gained nothing (4 MiB: 0.86-0.95 polled, 0.89-0.90 on threads) and would
+# hash ~100 us per record on the loop, so those stay on the threads, which hash in parallel
+# without the GIL.
+LOOP_READ_MAX_FILE_BYTES = 2 << 20
 # Free I/O buffers the tier keeps beyond one per thread, for a second (`tiers._fs.IOBuffers`):
 # a get_many of large records holds one lent buffer per record until its caller drops the
 # payloads, and mapping and faulting them in anew for each batch cost 1 MiB gets at queue
@@ -810,6 +814,10 @@ class SSDTier(Tier):
         loop_reads: read O_DIRECT-sized records below LOOP_READ_MAX_FILE_BYTES on the event
             loop with native AIO where the kernel allows it (`tiers._aio`); False: every read
             takes a worker thread.
+        read_poll_s: while a loop read is the only one in flight, the loop looks for its
+            completion between its other work instead of sleeping until the eventfd wakes it,
+            for up to this long (`tiers._aio.AioReads`): a core busy meanwhile, for a read that
+            lands without a halted vCPU to wake. 0: never poll.
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
     directory and scans it.
@@ -820,7 +828,8 @@ class SSDTier(Tier):
     def __init__(self, root: Path | str, budget_bytes: int = 0, zstd_kinds: dict[int, int] | None = None,
                  *, direct_io_min_bytes: int | None = DEFAULT_DIRECT_IO_MIN_BYTES,
                  max_concurrency: int = DEFAULT_MAX_CONCURRENCY, spare_files: int = DEFAULT_SPARE_FILES,
-                 recycle_bytes: int | None = None, loop_reads: bool = True) -> None:
+                 recycle_bytes: int | None = None, loop_reads: bool = True,
+                 read_poll_s: float = DEFAULT_POLL_S) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if max_concurrency < 1:
@@ -829,6 +838,8 @@ class SSDTier(Tier):
             raise ValueError(f"spare_files must be >= 0, got {spare_files}")
         if recycle_bytes is not None and recycle_bytes < 0:
             raise ValueError(f"recycle_bytes must be >= 0, got {recycle_bytes}")
+        if not 0 <= read_poll_s <= 1:
+            raise ValueError(f"read_poll_s must be within [0, 1] seconds, got {read_poll_s}")
         self._recycle_auto = recycle_bytes is None  # decided in open(), once the file system is known
         if recycle_bytes is None:
             recycle_bytes = min(DEFAULT_RECYCLE_BYTES, budget_bytes // 4) if budget_bytes else DEFAULT_RECYCLE_BYTES
@@ -861,6 +872,7 @@ class SSDTier(Tier):
         self._workers: Workers | None = None
         self._helpers: ThreadPoolExecutor | None = None  # directory fsyncs, spare refills, get deliveries
         self._loop_reads = loop_reads
+        self._read_poll_s = read_poll_s
         self._aio: AioReads | None = None  # reads on the event loop (`tiers._aio`), where available
         self.last_scan: ScanResult | None = None
         self._scan_mark: int | None = None  # gate.mutations when open()'s scan finished; None once reported
@@ -886,7 +898,7 @@ class SSDTier(Tier):
             self._workers = Workers(self._max_concurrency, "ssd-tier")
             self._helpers = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier-helper")
         if self._aio is None and self._loop_reads and self._direct_io_min_bytes is not None:
-            self._aio = AioReads.create()
+            self._aio = AioReads.create(poll_s=self._read_poll_s)
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()

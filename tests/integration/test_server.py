@@ -11,6 +11,7 @@ import asyncio
 import re
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -175,10 +176,25 @@ async def test_ssd_loop_reads_can_be_turned_off(tmp_path: Path) -> None:
     config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", ssd_loop_reads=False)
     async with StateStoreServer(config) as srv, StateStoreClient(f"127.0.0.1:{srv.port}") as c:
         assert srv.ssd._aio is None
-        r = record(srv, 1, nbytes=300_000)  # O_DIRECT-sized, below 1 MiB: a loop read when they are on
+        r = record(srv, 1, nbytes=300_000)  # O_DIRECT-sized, below 2 MiB: a loop read when they are on
         await c.put_records([r], Durability.LOCAL)
         assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
         assert (await c.get_records([r.key]))[0].payload == r.payload  # read from the SSD, on a thread
+
+
+async def test_ssd_read_polling_is_configured(tmp_path: Path) -> None:
+    """`storage.ssd_read_poll_us` reaches the SSD tier's loop reads: 0 never polls, and a read
+    still lands (through the eventfd)."""
+    config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", ssd_read_poll_us=0)
+    async with StateStoreServer(config) as srv, StateStoreClient(f"127.0.0.1:{srv.port}") as c:
+        assert srv.ssd._aio is not None, "native AIO is unavailable on this Linux machine"
+        assert srv.ssd._aio._poll_s == 0
+        r = record(srv, 1, nbytes=300_000)
+        await c.put_records([r], Durability.LOCAL)
+        assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
+        assert (await c.get_records([r.key]))[0].payload == r.payload
+    async with StateStoreServer(replace(config, ssd_read_poll_us=1500)) as srv:
+        assert srv.ssd._aio is not None and srv.ssd._aio._poll_s == 0.0015
 
 
 async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:

@@ -49,6 +49,14 @@ def test_ssd_loop_reads_from_toml_and_env(tmp_path: Path) -> None:
     assert load_config(env={"STATESTORE_STORAGE_SSD_LOOP_READS": "0"}).ssd_loop_reads is False
 
 
+def test_ssd_read_poll_us_from_toml_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("[storage]\nssd_read_poll_us = 0\n")
+    assert load_config(env={}).ssd_read_poll_us == 2000
+    assert load_config(path, env={}).ssd_read_poll_us == 0
+    assert load_config(path, env={"STATESTORE_STORAGE_SSD_READ_POLL_US": "500"}).ssd_read_poll_us == 500
+
+
 def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text("[storage]\ncache_kinds = [\"OPAQUE\", 3]\n")
@@ -76,6 +84,8 @@ def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     ("", {"STATESTORE_STORAGE_SSD_RECYCLE_BYTES": "-2"}, "storage.ssd_recycle_bytes: -2 < -1"),
     ("[storage]\nssd_loop_reads = 1\n", {}, "ssd_loop_reads from"),
     ("", {"STATESTORE_STORAGE_SSD_LOOP_READS": "maybe"}, "expected true or false"),
+    ("[storage]\nssd_read_poll_us = -1\n", {}, "storage.ssd_read_poll_us: -1 outside [0, 1000000] (0: never poll)"),
+    ("", {"STATESTORE_STORAGE_SSD_READ_POLL_US": "2ms"}, "ssd_read_poll_us from STATESTORE_STORAGE_SSD_READ_POLL_US"),
 ])
 def test_invalid_settings_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
     path = tmp_path / "bad.toml"

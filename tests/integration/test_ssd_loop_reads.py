@@ -20,8 +20,9 @@ from tiers.ssd import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES, SSDTier
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
                                 reason="native AIO reads exist on Linux x86_64 / aarch64 only")
 
-LOOP_SIZES = [200_000, 700_000]  # read on the loop: a small lent buffer; a copied one (huge-page sized)
-THREAD_SIZES = [LOOP_READ_MAX_FILE_BYTES, LEND_MIN_BYTES + 4097]  # larger: on the threads, which hash in parallel
+# Read on the loop: a small lent buffer; a copied one (huge-page sized); a lent one (huge-page sized)
+LOOP_SIZES = [200_000, 700_000, LEND_MIN_BYTES + 4097]
+THREAD_SIZES = [LOOP_READ_MAX_FILE_BYTES, 3 * LEND_MIN_BYTES]  # larger: on the threads, which hash in parallel
 
 
 @pytest.fixture
@@ -106,8 +107,8 @@ async def test_a_cancelled_loop_read_gives_its_buffer_back_once_it_lands(tmp_pat
     root = tmp_path / "ssd"
     tier = await loop_tier(root)
     try:
-        records = [rec(1, LOOP_SIZES[1]), rec(2, LOOP_SIZES[0])]  # a copied (taken) buffer; a lent one
-        assert await tier.put_many(records) == [True, True]
+        records = [rec(1, LOOP_SIZES[1]), rec(2, LOOP_SIZES[0]), rec(3, LOOP_SIZES[2])]  # copied; lent; lent
+        assert await tier.put_many(records) == [True] * 3
         for r in records:
             assert_same(await tier.get(r.key), r)  # the buffers exist and are free again
             path, free = record_path(root, r), tier._buffers.free_bytes
@@ -210,3 +211,63 @@ async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
         assert bytes(buf[: 1 << 20]) == path.read_bytes()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.002])
+async def test_reads_land_with_and_without_polling(tmp_path: Path, poll_s: float) -> None:
+    """With polling the loop looks for a lone read's completion, and stops once none or
+    several are in flight; without it the eventfd alone completes them. Either way every
+    byte lands."""
+    from tiers._fs import map_io_buffer
+
+    path = tmp_path / "f"
+    data = os.urandom(4 << 20)
+    path.write_bytes(data)
+    os.sync()
+    aio = AioReads.create(poll_s=poll_s)
+    assert aio is not None
+    buf = map_io_buffer(4 << 20)
+    fd = aio.open_cached(str(path))
+    try:
+        lone = aio.submit(fd, buf[: 1 << 20], 0)
+        assert (aio._polling is not None) == (poll_s > 0)  # a lone read: polled for
+        assert await asyncio.shield(lone) == 1 << 20
+        await asyncio.sleep(0)
+        assert aio._polling is None and aio.in_flight == 0  # nothing in flight: no polling
+        futs = [aio.submit(fd, buf[lo: lo + (1 << 20)], lo) for lo in range(0, 4 << 20, 1 << 20)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        if not any(f.done() for f in futs):
+            assert aio._polling is None  # several in flight: the eventfd wakes the loop
+        assert await asyncio.gather(*(asyncio.shield(f) for f in futs)) == [1 << 20] * 4
+        assert bytes(buf[: 4 << 20]) == data
+        await asyncio.sleep(0)
+        assert aio._polling is None and aio.in_flight == 0
+    finally:
+        os.close(fd)
+        aio.close()
+
+
+async def test_polling_gives_up_after_poll_s_and_the_eventfd_completes(tmp_path: Path) -> None:
+    """A read that takes longer than poll_s: the loop stops polling (no core spent on a
+    slow read) and the eventfd still completes it."""
+    from tiers._fs import map_io_buffer
+
+    path = tmp_path / "f"
+    data = os.urandom(16 << 20)
+    path.write_bytes(data)
+    os.sync()
+    aio = AioReads.create(poll_s=1e-6)  # every read here takes longer than a microsecond
+    assert aio is not None
+    buf = map_io_buffer(16 << 20)
+    fd = aio.open_cached(str(path))
+    try:
+        fut = aio.submit(fd, buf[: 16 << 20], 0)
+        await asyncio.sleep(0)  # one look, past the deadline: polling stops
+        await asyncio.sleep(0)
+        assert aio._polling is None and not fut.done()
+        assert await asyncio.shield(fut) == 16 << 20
+        assert bytes(buf[: 16 << 20]) == data
+    finally:
+        os.close(fd)
+        aio.close()
