@@ -43,7 +43,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiers._fs import address_of
 
@@ -115,6 +115,7 @@ class _Op:
     fut: asyncio.Future[int]
     iocb: _Iocb
     view: memoryview  # kept alive until the kernel is done with it
+    landed: list[Callable[[], None]] = field(default_factory=list)  # `after`'s clean-ups
 
 
 class AioReads:
@@ -215,9 +216,9 @@ class AioReads:
         would have waited: nothing was read) or OSError. WouldBlock (Unsupported) here: the
         context or the file system refused it, nothing is in flight.
 
-        `view` belongs to the read until the future is done, whatever happens to the task that
-        submitted it: await it through `asyncio.shield`, and on cancellation hand the clean-up
-        to `after`."""
+        `view` belongs to the read until it has landed, whatever happens to the future: a
+        submitter whose wait was cancelled (which cancels the future, not the read) hands the
+        clean-up to `after`."""
         if self._closing:
             raise WouldBlock("closing")
         if len(self._ops) >= self._depth:
@@ -235,20 +236,16 @@ class AioReads:
         self._watch()
         return op.fut
 
-    @staticmethod
-    def after(fut: asyncio.Future[int], fn: Callable[[], None]) -> None:
-        """Run `fn` once `fut` is done (now, if it is): the clean-up of a read whose submitter
-        stopped waiting for it. Its outcome is dropped."""
-
-        def done(f: asyncio.Future[int]) -> None:
-            if not f.cancelled():
-                f.exception()  # retrieved: no "never retrieved" warning for a dropped failure
-            fn()
-
-        if fut.done():
-            done(fut)
-        else:
-            fut.add_done_callback(done)
+    def after(self, fut: asyncio.Future[int], fn: Callable[[], None]) -> None:
+        """Run `fn` once the read behind `fut` has landed (now, if it has): the clean-up of a
+        read whose submitter stopped waiting for it, cancelled or not. Its outcome is dropped."""
+        if not fut.cancelled() and fut.done():
+            fut.exception()  # retrieved: no "never retrieved" warning for a dropped failure
+        for op in self._ops.values():
+            if op.fut is fut:
+                op.landed.append(fn)
+                return
+        fn()
 
     def _watch(self) -> None:
         """Start polling (`_poll`) when a read is the only one in flight."""
@@ -297,6 +294,8 @@ class AioReads:
                 op = self._ops.pop(event.data, None)
                 if op is not None:
                     self._settle(op, event.res)
+                    for fn in op.landed:
+                        fn()
                     settled = True
             if n < self._depth:
                 break

@@ -1296,7 +1296,7 @@ class SSDTier(Tier):
                 return _ReadResult(None, error=exc)
             raise
         try:
-            got = await asyncio.shield(fut)
+            got = await fut
         except asyncio.CancelledError:
             aio.after(fut, release)  # the buffer is free once the read has landed
             raise

@@ -75,10 +75,7 @@ async def test_damaged_records_read_on_the_loop_are_quarantined(tmp_path: Path, 
         path = record_path(root, flipped)
         data = bytearray(path.read_bytes())
         data[len(data) - 1000] ^= 0x40
-        with open(path, "r+b") as f:  # synced: a dirty cached page makes an RWF_NOWAIT read
-            f.write(data)              # refuse (EAGAIN), and this read would take a thread
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(path, bytes(data))  # (unsynced, this read would take a thread)
         with open(record_path(root, truncated), "r+b") as f:
             f.truncate(LOOP_SIZES[1] // 2)
         assert await tier.get(flipped.key) is None
@@ -90,6 +87,15 @@ async def test_damaged_records_read_on_the_loop_are_quarantined(tmp_path: Path, 
         assert await tier.get(flipped.key) is None and await tier.get(truncated.key) is None  # gone from the index
     finally:
         await tier.aclose()
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it: an O_DIRECT RWF_NOWAIT read of a file with dirty
+    cached pages refuses (EAGAIN)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fds_on(path: Path) -> int:
@@ -194,8 +200,7 @@ async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
     from tiers._fs import map_io_buffer
 
     path = tmp_path / "f"
-    path.write_bytes(os.urandom(1 << 20))
-    os.sync()
+    write_synced(path, os.urandom(1 << 20))
     aio = AioReads.create()
     assert aio is not None
     buf = map_io_buffer(1 << 20)
@@ -222,8 +227,7 @@ async def test_reads_land_with_and_without_polling(tmp_path: Path, poll_s: float
 
     path = tmp_path / "f"
     data = os.urandom(4 << 20)
-    path.write_bytes(data)
-    os.sync()
+    write_synced(path, data)
     aio = AioReads.create(poll_s=poll_s)
     assert aio is not None
     buf = map_io_buffer(4 << 20)
@@ -255,8 +259,7 @@ async def test_polling_gives_up_after_poll_s_and_the_eventfd_completes(tmp_path:
 
     path = tmp_path / "f"
     data = os.urandom(16 << 20)
-    path.write_bytes(data)
-    os.sync()
+    write_synced(path, data)
     aio = AioReads.create(poll_s=1e-6)  # every read here takes longer than a microsecond
     assert aio is not None
     buf = map_io_buffer(16 << 20)
@@ -268,6 +271,35 @@ async def test_polling_gives_up_after_poll_s_and_the_eventfd_completes(tmp_path:
         assert aio._polling is None and not fut.done()
         assert await asyncio.shield(fut) == 16 << 20
         assert bytes(buf[: 16 << 20]) == data
+    finally:
+        os.close(fd)
+        aio.close()
+
+
+async def test_after_waits_for_the_read_not_the_cancelled_future(tmp_path: Path) -> None:
+    """Cancelling the wait cancels the future at once, but the device still owns the buffer:
+    `after`'s clean-up runs when the read lands, once."""
+    from tiers._fs import map_io_buffer
+
+    path = tmp_path / "f"
+    write_synced(path, os.urandom(16 << 20))
+    aio = AioReads.create()
+    assert aio is not None
+    buf = map_io_buffer(16 << 20)
+    fd = aio.open_cached(str(path))
+    cleaned: list[int] = []
+    try:
+        fut = aio.submit(fd, buf[: 16 << 20], 0)
+        fut.cancel()
+        aio.after(fut, lambda: cleaned.append(aio.in_flight))
+        assert cleaned == [] and aio.in_flight == 1  # a 16 MiB read takes milliseconds
+        for _ in range(5000):
+            if cleaned:
+                break
+            await asyncio.sleep(0.001)
+        assert cleaned == [0]  # run once, after the read left the context
+        aio.after(fut, lambda: cleaned.append(-1))  # landed already: at once
+        assert cleaned == [0, -1]
     finally:
         os.close(fd)
         aio.close()
