@@ -120,19 +120,20 @@ class _Op:
 
 class AioReads:
     """O_DIRECT reads submitted from one event loop and completed through an eventfd, or,
-    while reads are in flight, by polling the completion ring between the loop's other work
-    (`poll_s`)."""
+    while a read is the only one in flight, by polling the completion ring between the loop's
+    other work (`poll_s`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, libc: ctypes.CDLL, numbers: dict[str, int],
                  ctx: int, efd: int, depth: int, poll_s: float = DEFAULT_POLL_S) -> None:
         self._loop, self._libc, self._nr = loop, libc, numbers
         self._ctx = ctypes.c_ulong(ctx)
         # The per-call syscall arguments made once: ctypes conversions were half of an open's ~10 us.
+        # (`byref` keeps its `open_how` alive.)
         self._openat2 = functools.partial(libc.syscall, ctypes.c_long(numbers["openat2"]), ctypes.c_long(_AT_FDCWD))
-        self._hows = {direct: _OpenHow(os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0, _RESOLVE_CACHED)
-                      for direct in (True, False)}
-        self._how_args = {direct: (ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-                          for direct, how in self._hows.items()}
+        self._how_args: dict[bool, tuple[object, ctypes.c_size_t]] = {}
+        for direct in (True, False):
+            how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0, _RESOLVE_CACHED)
+            self._how_args[direct] = (ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
         self._io_submit_one = functools.partial(libc.syscall, ctypes.c_long(numbers["io_submit"]), self._ctx,
                                                 ctypes.c_long(1))
         self._efd = efd
