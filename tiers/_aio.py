@@ -124,7 +124,8 @@ class AioReads:
     other work (`poll_s`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, libc: ctypes.CDLL, numbers: dict[str, int],
-                 ctx: int, efd: int, depth: int, poll_s: float = DEFAULT_POLL_S) -> None:
+                 ctx: int, efd: int, depth: int, poll_s: float = DEFAULT_POLL_S,
+                 busy: Callable[[], bool] | None = None) -> None:
         self._loop, self._libc, self._nr = loop, libc, numbers
         self._ctx = ctypes.c_ulong(ctx)
         # The per-call syscall arguments made once: ctypes conversions were half of an open's ~10 us.
@@ -143,6 +144,7 @@ class AioReads:
         self._next_tag = 1
         self._closing = False
         self._poll_s = poll_s
+        self._busy = busy
         self._polling: asyncio.Handle | None = None
         self._quiet_until = 0.0
         ring = _AioRing.from_address(ctx)
@@ -150,8 +152,11 @@ class AioReads:
         loop.add_reader(efd, self._reap)
 
     @classmethod
-    def create(cls, depth: int = DEFAULT_DEPTH, poll_s: float = DEFAULT_POLL_S) -> AioReads | None:
-        """A context bound to the running loop, or None where native AIO is unavailable."""
+    def create(cls, depth: int = DEFAULT_DEPTH, poll_s: float = DEFAULT_POLL_S,
+               busy: Callable[[], bool] | None = None) -> AioReads | None:
+        """A context bound to the running loop, or None where native AIO is unavailable.
+        `busy`: while it says so (the owner's threads have work in flight), no polling: a loop
+        that spins holds the GIL those threads need back after each system call."""
         numbers = _SYSCALLS.get(platform.machine())
         if numbers is None or not hasattr(os, "eventfd") or not hasattr(os, "O_DIRECT"):
             return None
@@ -165,7 +170,7 @@ class AioReads:
             return None
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            reads = cls(loop, libc, numbers, ctx.value, efd, depth, poll_s)
+            reads = cls(loop, libc, numbers, ctx.value, efd, depth, poll_s, busy)
         except (NotImplementedError, RuntimeError) as exc:  # a loop without add_reader
             os.close(efd)
             libc.syscall(ctypes.c_long(numbers["io_destroy"]), ctx)
@@ -249,8 +254,9 @@ class AioReads:
         fn()
 
     def _watch(self) -> None:
-        """Start polling (`_poll`) when a read is the only one in flight."""
-        if self._poll_s > 0 and len(self._ops) == 1 and self._polling is None:
+        """Start polling (`_poll`) when a read is the only one in flight (and the owner's
+        threads have nothing in flight)."""
+        if self._poll_s > 0 and len(self._ops) == 1 and self._polling is None and not (self._busy and self._busy()):
             self._quiet_until = self._loop.time() + self._poll_s
             self._polling = self._loop.call_soon(self._poll)
 
@@ -264,8 +270,8 @@ class AioReads:
         completions keep coming to a busy loop, and polling there measured slower (256 KiB
         get_many at depth 4: 0.92-0.95 of the reference polled, 1.05-1.06 not)."""
         self._polling = None
-        if len(self._ops) != 1:
-            return
+        if len(self._ops) != 1 or (self._busy is not None and self._busy()):
+            return  # (the eventfd wakes the loop)
         ring = self._ring
         if ring is None or ring.head != ring.tail:
             self._reap()  # (which polls anew if it settled one and another is now alone)

@@ -35,16 +35,6 @@ T = TypeVar("T")
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
 
-def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    """On the loop: a caller that was cancelled meanwhile has given up on the result."""
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
 class Workers:
     """`num_threads` threads running `fn(*args)` jobs for coroutines (`await workers.run(...)`)."""
 
@@ -52,6 +42,7 @@ class Workers:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._in_flight = 0  # jobs run() handed out whose outcome has not reached the loop yet
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -62,7 +53,23 @@ class Workers:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._jobs.put((loop, fut, fn, args))
+        self._in_flight += 1
         return fut
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs queued or running (their threads will want the GIL back)."""
+        return self._in_flight
+
+    def _settle(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        """On the loop: a caller that was cancelled meanwhile has given up on the result."""
+        self._in_flight -= 1
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
 
     def shutdown(self) -> None:
         """Stop the threads once the jobs queued so far are done (does not wait for them)."""
@@ -78,7 +85,7 @@ class Workers:
             except BaseException as error:  # handed to the awaiting coroutine, not lost here
                 result, exc = None, error
             try:
-                loop.call_soon_threadsafe(_settle, fut, result, exc)
+                loop.call_soon_threadsafe(self._settle, fut, result, exc)
             except RuntimeError:  # the loop was closed: nobody is waiting any more
                 pass
             del loop, fut, fn, args, result, exc

@@ -898,7 +898,7 @@ class SSDTier(Tier):
             self._workers = Workers(self._max_concurrency, "ssd-tier")
             self._helpers = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="ssd-tier-helper")
         if self._aio is None and self._loop_reads and self._direct_io_min_bytes is not None:
-            self._aio = AioReads.create(poll_s=self._read_poll_s)
+            self._aio = AioReads.create(poll_s=self._read_poll_s, busy=self._threads_busy)
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
         self.last_scan = await self.scan()
@@ -906,6 +906,11 @@ class SSDTier(Tier):
         self._start_refill()  # in the background: new keys fsync their directory until it is done
         self._scan_mark = self._gate.mutations
         return self.last_scan
+
+    def _threads_busy(self) -> bool:
+        """Work of this tier is on its threads (a put's pieces may be on the helpers too): the
+        loop's reads then wait for the eventfd rather than poll (`tiers._aio`)."""
+        return self._puts_in_flight > 0 or (self._workers is not None and self._workers.in_flight > 0)
 
     def _run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """One thread hop on the tier's own threads (`tiers._hop`: leaner than run_in_executor)."""

@@ -303,3 +303,36 @@ async def test_after_waits_for_the_read_not_the_cancelled_future(tmp_path: Path)
     finally:
         os.close(fd)
         aio.close()
+
+
+async def test_no_polling_while_the_tiers_threads_have_work(tmp_path: Path) -> None:
+    """A loop read beside work on the tier's own threads waits for the eventfd: a spinning
+    loop would hold the GIL those threads need back after each system call."""
+    import threading
+
+    tier = await loop_tier(tmp_path / "ssd")
+    try:
+        r = rec(1, LOOP_SIZES[0])
+        assert await tier.put(r)
+        release = threading.Event()
+        job = tier._run(release.wait, 5)  # a worker busy (as with a put's write)
+        try:
+            got = asyncio.ensure_future(tier.get(r.key))
+            for _ in range(100):
+                if tier._aio.in_flight:
+                    break
+                await asyncio.sleep(0)
+            assert tier._aio.in_flight == 1 and tier._aio._polling is None
+            assert_same(await got, r)
+        finally:
+            release.set()
+            await job
+        got = asyncio.ensure_future(tier.get(r.key))  # the threads idle again: polled
+        for _ in range(100):
+            if tier._aio.in_flight:
+                break
+            await asyncio.sleep(0)
+        assert tier._aio.in_flight == 1 and tier._aio._polling is not None
+        assert_same(await got, r)
+    finally:
+        await tier.aclose()

@@ -45,6 +45,29 @@ async def test_a_cancelled_caller_does_not_break_the_worker() -> None:
         workers.shutdown()
 
 
+async def test_in_flight_counts_jobs_until_their_outcome_reaches_the_loop() -> None:
+    """Cancelled or not, failed or not: a job counts from `run` until the loop hears of it."""
+    workers = Workers(2, "t")
+    try:
+        release = threading.Event()
+        slow = workers.run(release.wait, 5)
+        failing = workers.run(open, "/nonexistent/nope")
+        assert workers.in_flight == 2
+        with pytest.raises(FileNotFoundError):
+            await failing
+        assert workers.in_flight == 1
+        slow.cancel()
+        assert workers.in_flight == 1  # still running: its thread will want the GIL back
+        release.set()
+        for _ in range(500):
+            if workers.in_flight == 0:
+                break
+            await asyncio.sleep(0.002)
+        assert workers.in_flight == 0
+    finally:
+        workers.shutdown()
+
+
 def test_a_result_for_a_closed_loop_is_dropped_and_the_thread_serves_on() -> None:
     workers = Workers(1, "t")
     release = threading.Event()
