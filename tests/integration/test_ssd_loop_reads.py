@@ -5,9 +5,11 @@ worker threads wherever the loop would have to wait or the file system cannot do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 import tiers.ssd as ssd_module
 from tests.integration.test_ssd_tier import assert_same, rec, record_path
 from tiers._aio import AioReads, WouldBlock
+from tiers._fs import map_io_buffer
 from tiers.ssd import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES, SSDTier
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
@@ -194,18 +197,27 @@ async def test_open_cached_opens_only_from_the_lookup_cache(tmp_path: Path) -> N
         aio.close()
 
 
+@contextlib.contextmanager
+def reading(tmp_path: Path, nbytes: int, **create: float) -> Iterator[tuple[AioReads, memoryview, int, bytes]]:
+    """A synced file of `nbytes` random bytes, opened for loop reads by a fresh context
+    (`AioReads.create(**create)`), and a buffer for them: (context, buffer, fd, the bytes)."""
+    path = tmp_path / "f"
+    data = os.urandom(nbytes)
+    write_synced(path, data)
+    aio = AioReads.create(**create)  # type: ignore[arg-type]
+    assert aio is not None
+    fd = aio.open_cached(str(path))
+    try:
+        yield aio, map_io_buffer(nbytes), fd, data
+    finally:
+        os.close(fd)
+        aio.close()
+
+
 async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
     """The context (and its eventfd) goes only once the reads in flight have landed: a buffer
     is never free while the device may still write into it."""
-    from tiers._fs import map_io_buffer
-
-    path = tmp_path / "f"
-    write_synced(path, os.urandom(1 << 20))
-    aio = AioReads.create()
-    assert aio is not None
-    buf = map_io_buffer(1 << 20)
-    fd = aio.open_cached(str(path))
-    try:
+    with reading(tmp_path, 1 << 20) as (aio, buf, fd, data):
         fut = aio.submit(fd, buf, 0)
         aio.close()
         assert aio._efd >= 0 and not aio.usable()
@@ -213,9 +225,7 @@ async def test_close_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
             aio.submit(fd, buf, 0)
         assert await asyncio.shield(fut) == 1 << 20
         assert aio._efd == -1  # destroyed once the last read was reaped
-        assert bytes(buf[: 1 << 20]) == path.read_bytes()
-    finally:
-        os.close(fd)
+        assert bytes(buf[: 1 << 20]) == data
 
 
 @pytest.mark.parametrize("poll_s", [0.0, 0.002])
@@ -223,16 +233,7 @@ async def test_reads_land_with_and_without_polling(tmp_path: Path, poll_s: float
     """With polling the loop looks for a lone read's completion, and stops once none or
     several are in flight; without it the eventfd alone completes them. Either way every
     byte lands."""
-    from tiers._fs import map_io_buffer
-
-    path = tmp_path / "f"
-    data = os.urandom(4 << 20)
-    write_synced(path, data)
-    aio = AioReads.create(poll_s=poll_s)
-    assert aio is not None
-    buf = map_io_buffer(4 << 20)
-    fd = aio.open_cached(str(path))
-    try:
+    with reading(tmp_path, 4 << 20, poll_s=poll_s) as (aio, buf, fd, data):
         lone = aio.submit(fd, buf[: 1 << 20], 0)
         assert (aio._polling is not None) == (poll_s > 0)  # a lone read: polled for
         assert await asyncio.shield(lone) == 1 << 20
@@ -247,48 +248,25 @@ async def test_reads_land_with_and_without_polling(tmp_path: Path, poll_s: float
         assert bytes(buf[: 4 << 20]) == data
         await asyncio.sleep(0)
         assert aio._polling is None and aio.in_flight == 0
-    finally:
-        os.close(fd)
-        aio.close()
 
 
 async def test_polling_gives_up_after_poll_s_and_the_eventfd_completes(tmp_path: Path) -> None:
     """A read that takes longer than poll_s: the loop stops polling (no core spent on a
     slow read) and the eventfd still completes it."""
-    from tiers._fs import map_io_buffer
-
-    path = tmp_path / "f"
-    data = os.urandom(16 << 20)
-    write_synced(path, data)
-    aio = AioReads.create(poll_s=1e-6)  # every read here takes longer than a microsecond
-    assert aio is not None
-    buf = map_io_buffer(16 << 20)
-    fd = aio.open_cached(str(path))
-    try:
+    with reading(tmp_path, 16 << 20, poll_s=1e-6) as (aio, buf, fd, data):  # every read takes longer
         fut = aio.submit(fd, buf[: 16 << 20], 0)
         await asyncio.sleep(0)  # one look, past the deadline: polling stops
         await asyncio.sleep(0)
         assert aio._polling is None and not fut.done()
         assert await asyncio.shield(fut) == 16 << 20
         assert bytes(buf[: 16 << 20]) == data
-    finally:
-        os.close(fd)
-        aio.close()
 
 
 async def test_after_waits_for_the_read_not_the_cancelled_future(tmp_path: Path) -> None:
     """Cancelling the wait cancels the future at once, but the device still owns the buffer:
     `after`'s clean-up runs when the read lands, once."""
-    from tiers._fs import map_io_buffer
-
-    path = tmp_path / "f"
-    write_synced(path, os.urandom(16 << 20))
-    aio = AioReads.create()
-    assert aio is not None
-    buf = map_io_buffer(16 << 20)
-    fd = aio.open_cached(str(path))
     cleaned: list[int] = []
-    try:
+    with reading(tmp_path, 16 << 20) as (aio, buf, fd, _):
         fut = aio.submit(fd, buf[: 16 << 20], 0)
         fut.cancel()
         aio.after(fut, lambda: cleaned.append(aio.in_flight))
@@ -300,9 +278,6 @@ async def test_after_waits_for_the_read_not_the_cancelled_future(tmp_path: Path)
         assert cleaned == [0]  # run once, after the read left the context
         aio.after(fut, lambda: cleaned.append(-1))  # landed already: at once
         assert cleaned == [0, -1]
-    finally:
-        os.close(fd)
-        aio.close()
 
 
 async def test_no_polling_while_the_tiers_threads_have_work(tmp_path: Path) -> None:
