@@ -127,20 +127,25 @@ class AioReads:
     def __init__(self, loop: asyncio.AbstractEventLoop, libc: ctypes.CDLL, numbers: dict[str, int],
                  ctx: int, efd: int, depth: int, poll_s: float = DEFAULT_POLL_S,
                  busy: Callable[[], bool] | None = None) -> None:
-        self._loop, self._libc, self._nr = loop, libc, numbers
+        self._loop = loop
         self._ctx = ctypes.c_ulong(ctx)
-        # The per-call syscall arguments made once: ctypes conversions were half of an open's ~10 us.
-        # (`byref` keeps its `open_how` alive.)
-        self._openat2 = functools.partial(libc.syscall, ctypes.c_long(numbers["openat2"]), ctypes.c_long(_AT_FDCWD))
+        # The syscalls with their fixed arguments made once: ctypes conversions were half of an
+        # open's ~10 us. (`byref` keeps its `open_how` alive.)
+        def call(name: str, *fixed: object) -> Callable[..., int]:
+            return functools.partial(libc.syscall, ctypes.c_long(numbers[name]), *fixed)
+
+        self._openat2 = call("openat2", ctypes.c_long(_AT_FDCWD))
         self._how_args: dict[bool, tuple[object, ctypes.c_size_t]] = {}
         for direct in (True, False):
             how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0, _RESOLVE_CACHED)
             self._how_args[direct] = (ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-        self._io_submit_one = functools.partial(libc.syscall, ctypes.c_long(numbers["io_submit"]), self._ctx,
-                                                ctypes.c_long(1))
+        self._io_submit_one = call("io_submit", self._ctx, ctypes.c_long(1))
         self._efd = efd
         self._depth = depth
         self._events = (_IoEvent * depth)()
+        self._io_getevents_ready = call("io_getevents", self._ctx, ctypes.c_long(0), ctypes.c_long(depth),
+                                        self._events, None)  # whatever has completed, without waiting
+        self._io_destroy = call("io_destroy", self._ctx)
         self._ops: dict[int, _Op] = {}
         self._next_tag = 1
         self._closing = False
@@ -254,10 +259,13 @@ class AioReads:
                 return
         fn()
 
+    def _pollable(self) -> bool:
+        """Polling is for a read alone in flight, while the owner's threads have nothing in flight."""
+        return self._poll_s > 0 and len(self._ops) == 1 and not (self._busy is not None and self._busy())
+
     def _watch(self) -> None:
-        """Start polling (`_poll`) when a read is the only one in flight (and the owner's
-        threads have nothing in flight)."""
-        if self._poll_s > 0 and len(self._ops) == 1 and self._polling is None and not (self._busy and self._busy()):
+        """Start polling (`_poll`) if it is for now."""
+        if self._polling is None and self._pollable():
             self._quiet_until = self._loop.time() + self._poll_s
             self._polling = self._loop.call_soon(self._poll)
 
@@ -271,12 +279,12 @@ class AioReads:
         completions keep coming to a busy loop, and polling there measured slower (256 KiB
         get_many at depth 4: 0.92-0.95 of the reference polled, 1.05-1.06 not)."""
         self._polling = None
-        if len(self._ops) != 1 or (self._busy is not None and self._busy()):
+        if not self._pollable():
             return  # (the eventfd wakes the loop)
         ring = self._ring
         if ring is None or ring.head != ring.tail:
             self._reap()  # (which polls anew if it settled one and another is now alone)
-            if self._polling is not None or len(self._ops) != 1:
+            if self._polling is not None or not self._pollable():
                 return
         if self._loop.time() < self._quiet_until:
             self._polling = self._loop.call_soon(self._poll)
@@ -289,8 +297,7 @@ class AioReads:
             pass
         settled = False
         while True:
-            n = self._libc.syscall(ctypes.c_long(self._nr["io_getevents"]), self._ctx, ctypes.c_long(0),
-                                   ctypes.c_long(self._depth), self._events, None)
+            n = self._io_getevents_ready()
             if n < 0 and ctypes.get_errno() == errno.EINTR:
                 continue  # the eventfd is drained: these events would not wake the loop again
             if n <= 0:
@@ -333,20 +340,17 @@ class AioReads:
         if not self._ops:
             self._destroy()
 
-    def _stop_polling(self) -> None:
-        if self._polling is not None:
-            self._polling.cancel()
-            self._polling = None
-
     def _destroy(self) -> None:
         if self._efd < 0:
             return
-        self._stop_polling()
+        if self._polling is not None:
+            self._polling.cancel()
+            self._polling = None
         self._ring = None  # unmapped by io_destroy
         try:
             self._loop.remove_reader(self._efd)
         except RuntimeError:  # the loop is closed already
             pass
-        self._libc.syscall(ctypes.c_long(self._nr["io_destroy"]), self._ctx)
+        self._io_destroy()
         os.close(self._efd)
         self._efd = -1
