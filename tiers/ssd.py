@@ -1353,11 +1353,13 @@ class SSDTier(Tier):
         index = self._index
         jobs = [(i, self._layout.path_str(k), k, index[k]) for i, k in enumerate(keys) if k in index]
         out: list[Record | None] = [None] * len(keys)
-        on_loop = [job for job in jobs if self._loop_readable(job[3])] if self._aio is not None else []
+        on_loop: list[_GetJob] = []
+        on_threads: list[_GetJob] = []
+        for job in jobs:
+            (on_loop if self._aio is not None and self._loop_readable(job[3]) else on_threads).append(job)
         if not on_loop:
-            await self._get_many_on_threads(jobs, out)
+            await self._get_many_on_threads(on_threads, out)
             return out
-        on_threads = [job for job in jobs if not self._loop_readable(job[3])]
         left: list[_GetJob] = []
         await asyncio.gather(self._get_many_on_loop(on_loop, out, left), self._get_many_on_threads(on_threads, out))
         await self._get_many_on_threads(left, out)
@@ -1367,8 +1369,12 @@ class SSDTier(Tier):
         """Whether `_read_on_loop` takes a record of this entry (as far as the index tells)."""
         return not entry.header.flags and entry.file_bytes < LOOP_READ_MAX_FILE_BYTES and self._read_direct(entry)
 
+    def _shares(self, jobs: list[_GetJob]) -> list[list[_GetJob]]:
+        """`jobs` dealt round-robin into at most `max_concurrency` shares, one in flight each."""
+        return [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
+
     async def _get_many_on_threads(self, jobs: list[_GetJob], out: list[Record | None]) -> None:
-        shares = [jobs[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(jobs)))]
+        shares = self._shares(jobs)
         results = await asyncio.gather(*(
             self._run(_read_records, [(p, k, e.file_bytes, *self._read_mode(e)) for _, p, k, e in share], self._buffers)
             for share in shares))
@@ -1389,8 +1395,7 @@ class SSDTier(Tier):
                 else:
                     out[i] = result.record if result.record is not None else await self._finish_get(key, path, result)
 
-        await asyncio.gather(*(share(jobs[i:: self._max_concurrency])
-                               for i in range(min(self._max_concurrency, len(jobs)))))
+        await asyncio.gather(*(share(part) for part in self._shares(jobs)))
 
     async def _finish_get(self, key: RecordKey, path: str, result: _ReadResult) -> Record | None:
         if result.record is not None:
