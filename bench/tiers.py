@@ -232,10 +232,10 @@ class ReadBuffers:
     buffer each ran at 0.92-0.95 of the same reads into one (development VM)."""
 
     def __init__(self, data: bytes, count: int) -> None:
-        self.padded = _aligned(data)[1]
         self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         for _ in range(count):
-            self._free.put(_aligned(data)[0])
+            buf, self.padded = _aligned(data)
+            self._free.put(buf)
 
     def read(self, path: Path) -> None:
         buf = self._free.get()
