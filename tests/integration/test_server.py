@@ -176,10 +176,16 @@ async def test_ssd_loop_reads_can_be_turned_off(tmp_path: Path) -> None:
     config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path, engine_preset="mini", ssd_loop_reads=False)
     async with StateStoreServer(config) as srv, StateStoreClient(f"127.0.0.1:{srv.port}") as c:
         assert srv.ssd._aio is None
-        r = record(srv, 1, nbytes=300_000)  # O_DIRECT-sized, below 2 MiB: a loop read when they are on
-        await c.put_records([r], Durability.LOCAL)
-        assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
-        assert (await c.get_records([r.key]))[0].payload == r.payload  # read from the SSD, on a thread
+        await assert_read_back_from_ssd(srv, c)  # on a thread
+
+
+async def assert_read_back_from_ssd(srv: StateStoreServer, c: StateStoreClient) -> None:
+    """A LOCAL record of O_DIRECT size below 2 MiB (a loop read when those are on), dropped
+    from the host tier, comes back from the SSD tier through the service."""
+    r = record(srv, 1, nbytes=300_000)
+    await c.put_records([r], Durability.LOCAL)
+    assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
+    assert (await c.get_records([r.key]))[0].payload == r.payload
 
 
 async def test_ssd_read_polling_is_configured(tmp_path: Path) -> None:
@@ -189,10 +195,7 @@ async def test_ssd_read_polling_is_configured(tmp_path: Path) -> None:
     async with StateStoreServer(config) as srv, StateStoreClient(f"127.0.0.1:{srv.port}") as c:
         assert srv.ssd._aio is not None, "native AIO is unavailable on this Linux machine"
         assert srv.ssd._aio._poll_s == 0
-        r = record(srv, 1, nbytes=300_000)
-        await c.put_records([r], Durability.LOCAL)
-        assert await srv.store.evict(r.key, [TierName.HOST], force=True) == {TierName.HOST}
-        assert (await c.get_records([r.key]))[0].payload == r.payload
+        await assert_read_back_from_ssd(srv, c)  # on the loop, through the eventfd
     async with StateStoreServer(replace(config, ssd_read_poll_us=1500)) as srv:
         assert srv.ssd._aio is not None and srv.ssd._aio._poll_s == 0.0015
 
