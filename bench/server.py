@@ -11,14 +11,23 @@ gRPC itself; absolute figures on a shared 2-core CPU are relative only.
 The echo moves the same payloads the natural raw-gRPC way, with everything ours gets: the
 same channel and server options (message limits), the same messages per record (a start
 message, then the payload in 1 MiB data messages; our 168-byte record header rides in the
-first data message), the same process. Its put handler keeps the stream's bytes contiguous
-(one join, as PutRecords joins each record's chunks); its get client joins each record's
-chunks (no copy for a one-chunk record). It checks, stores and copies nothing else: those are
-the costs the ratio is about. Its Get serves `records` distinct payload buffers (copies of the
-records' payload made before the rounds), as the store serves distinct records from its pages:
-serving one buffer over and over would read it from the CPU cache, which no real get does
-(until 2026-11-30 the echo did that, and 1 MiB gets read ~64 MiB from DRAM against its ~1 MiB
-from cache).
+first data message), the same process. Both of its sides handle a record as ours do: they
+join each record's chunks (no copy for a one-chunk record: PutRecords and `get_records` keep
+such a record as a view into its message) and hold the call's records until the call ends
+(PutRecords stores nothing before all are verified; `get_records` returns them). It checks,
+stores and copies nothing else: those are the costs the ratio is about. Its Get serves
+`records` distinct payload buffers (copies of the records' payload made before the rounds),
+as the store serves distinct records from its pages: serving one buffer over and over would
+read it from the CPU cache, which no real get does.
+
+Two earlier versions of the echo did less or more than a client and server of these records
+must, and are fixed: until 2026-11-30 its Get served one cached buffer (1 MiB gets read ~64 MiB
+from DRAM against its ~1 MiB from cache); and until the session after that, its get client
+dropped each record once joined, so the allocator handed the same few mapped buffers back
+for every message while `get_records` holds a call's 32 MiB (with the servers in a child
+process, the echo's client took 654 us of CPU per 256 KiB record dropping them and 840
+keeping them; ours 850-1084), and its put handler joined the whole stream into one fresh
+32 MiB buffer, a copy into unmapped memory that PutRecords never makes for one-chunk records.
 
 Rounds run ours and the echo back to back, in alternating order (ours first, then the echo
 first), so drift and order effects cancel; a ratio is the median of the rounds' ratios, and
@@ -58,22 +67,51 @@ ECHO = "/bench.v1.Echo/"
 # ----- the raw echo service --------------------------------------------------------------------
 
 
+START = b"\x00" * 64  # the echo's per-record start message (no data message here is 64 bytes long)
+
+
+class RecordJoiner:
+    """How both sides of the echo take records off a stream, as ours do: a start message begins
+    a record, a record's chunks are joined (no copy for a one-chunk record), and the call's
+    records are held until it ends (`finish`)."""
+
+    def __init__(self) -> None:
+        self.records: list[bytes] = []
+        self._parts: list[bytes] = []
+
+    def feed(self, message: bytes) -> None:
+        if len(message) == len(START):
+            self._join()
+        else:
+            self._parts.append(message)
+
+    def finish(self) -> list[bytes]:
+        self._join()
+        return self.records
+
+    def _join(self) -> None:
+        if self._parts:
+            self.records.append(b"".join(self._parts))
+            self._parts = []
+
+
 def echo_handler(payloads: dict[int, list[bytes]]) -> grpc.GenericRpcHandler:
-    """Put: reassemble the chunks (as PutRecords does); Get: stream records of `payloads[size]`
-    (distinct buffers, taken in turn) in chunks (the client joins each record's chunks, as any
-    client must to use the bytes); Lookup: echo the request bytes. No serialisation: handlers
-    see raw bytes."""
+    """Put: take the records off the stream (`RecordJoiner`) and answer their total bytes; Get:
+    stream records of `payloads[size]` (distinct buffers, taken in turn) in chunks; Lookup: echo
+    the request bytes. No serialisation: handlers see raw bytes."""
 
     async def put(request_iterator: AsyncIterator[bytes], context: Any) -> bytes:
-        parts = [chunk async for chunk in request_iterator]
-        return len(b"".join(parts)).to_bytes(8, "little")
+        joiner = RecordJoiner()
+        async for chunk in request_iterator:
+            joiner.feed(chunk)
+        return sum(map(len, joiner.finish())).to_bytes(8, "little")
 
     async def get(request: bytes, context: Any) -> AsyncIterator[bytes]:
         first, count, size, chunk = struct.unpack("<QQQQ", request)
         stored = payloads[size]
         for i in range(first, first + count):
             view = memoryview(stored[i % len(stored)])
-            yield b"\x00" * 64  # the per-record start message
+            yield START
             for offset in range(0, size, chunk):
                 yield bytes(view[offset:min(size, offset + chunk)])
 
@@ -85,6 +123,30 @@ def echo_handler(payloads: dict[int, list[bytes]]) -> grpc.GenericRpcHandler:
         "Get": grpc.unary_stream_rpc_method_handler(get),
         "Lookup": grpc.unary_unary_rpc_method_handler(lookup),
     })
+
+
+async def echo_chunks(payload: bytes, count: int, chunk: int) -> AsyncIterator[bytes]:
+    """The echo put client's stream: `count` records of `payload`, each a start message and
+    its bytes in `chunk`-byte messages (copied out of the payload, as our frames are)."""
+    view = memoryview(payload)
+    for _ in range(count):
+        yield START
+        for offset in range(0, len(payload), chunk):
+            yield bytes(view[offset:offset + chunk])
+
+
+async def echo_put(ch: grpc.aio.Channel, payload: bytes, count: int, chunk: int) -> int:
+    """One echo Put call of `count` records; the bytes the server took."""
+    reply = await ch.stream_unary(ECHO + "Put")(echo_chunks(payload, count, chunk))
+    return int.from_bytes(reply, "little")
+
+
+async def echo_get(ch: grpc.aio.Channel, first: int, count: int, size: int, chunk: int) -> list[bytes]:
+    """One echo Get call: records first..first+count of `size` bytes, as the client holds them."""
+    joiner = RecordJoiner()
+    async for message in ch.unary_stream(ECHO + "Get")(struct.pack("<QQQQ", first, count, size, chunk)):
+        joiner.feed(message)
+    return joiner.finish()
 
 
 async def start_echo(payloads: dict[int, list[bytes]]) -> tuple[grpc.aio.Server, int]:
@@ -185,28 +247,14 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, echo_payloads: dic
     echo_payloads[size] = [bytes(bytearray(payload)) for _ in range(count)]  # distinct buffers, as records are
     ch = channel(echo_port)
 
-    async def chunks(n: int) -> AsyncIterator[bytes]:
-        view = memoryview(payload)
-        for _ in range(n):
-            yield b"\x00" * 64
-            for offset in range(0, size, CHUNK_BYTES):
-                yield bytes(view[offset:offset + CHUNK_BYTES])
-
-    async def echo_put() -> None:
+    async def echo_puts() -> None:
         for i in range(0, count, batch):
-            await ch.stream_unary(ECHO + "Put")(chunks(min(batch, count - i)))
+            await echo_put(ch, payload, min(batch, count - i), CHUNK_BYTES)
 
-    async def echo_get() -> None:
+    async def echo_gets() -> None:
         for i in range(0, count, batch):
-            n = min(batch, count - i)
-            parts: list[bytes] = []
-            async for message in ch.unary_stream(ECHO + "Get")(struct.pack("<QQQQ", i, n, size, CHUNK_BYTES)):
-                if len(message) == 64 and parts:  # the next record starts: join this one, as a client must
-                    b"".join(parts)
-                    parts = []
-                elif len(message) != 64:
-                    parts.append(message)
-            b"".join(parts)
+            got = await echo_get(ch, i, min(batch, count - i), size, CHUNK_BYTES)
+            assert len(got) == min(batch, count - i)
 
     # The machine is shared, so noise is large and comes in phases: each round runs ours and the
     # echo back to back (ABBA: ours first in even rounds, the echo first in odd ones), each
@@ -214,8 +262,8 @@ async def bench_stream(srv: StateStoreServer, echo_port: int, echo_payloads: dic
     times: dict[str, list[float]] = {"put": [], "echo_put": [], "get": [], "echo_get": []}
     async with StateStoreClient(f"127.0.0.1:{srv.port}", options=options) as c:
         await put(c)  # one warm-up call each (the first put maps the host tier's slabs)
-        await echo_put()
-        for d, ours, echo in (("put", lambda: put(c), echo_put), ("get", lambda: get(c), echo_get)):
+        await echo_puts()
+        for d, ours, echo in (("put", lambda: put(c), echo_puts), ("get", lambda: get(c), echo_gets)):
             for i in range(repeats):
                 pair = [(d, ours), (f"echo_{d}", echo)]
                 for name, fn in pair if i % 2 == 0 else pair[::-1]:
