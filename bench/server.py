@@ -194,6 +194,7 @@ def echo_payloads(sizes: list[int], total_bytes: int) -> dict[int, list[bytes]]:
 
 
 def host_budget(total_bytes: int) -> int:
+    """Our host tier's budget: room for a pass's records twice over, so that puts never evict."""
     return 2 * total_bytes + (64 << 20)
 
 
@@ -245,8 +246,8 @@ async def sidecar_servers(sizes: list[int], total_bytes: int, tmp: Path) -> Asyn
 
 @contextlib.asynccontextmanager
 async def in_process_servers(sizes: list[int], total_bytes: int, tmp: Path) -> AsyncIterator[Servers]:
-    """Both servers in this process, on the clients' event loop (`--in-process`): client and
-    server work then share one loop and one interpreter lock, which no deployment does."""
+    """Both servers in this process, on the clients' event loop (`--topology in-process`): client
+    and server work then share one loop and one interpreter lock, which no deployment does."""
     config = ServiceConfig(listen="127.0.0.1:0", data_dir=tmp / "data", engine_preset="mini",
                            max_message_bytes=MAX_MESSAGE_BYTES, host_budget_bytes=host_budget(total_bytes))
     srv = StateStoreServer(config)
@@ -382,7 +383,10 @@ async def bench_stream(servers: Servers, size: int, total_bytes: int, repeats: i
     return row
 
 
-TOPOLOGIES = {"sidecar": sidecar_servers, "in-process": in_process_servers}
+TOPOLOGIES = {  # name: (how the servers start, the title its tables print under)
+    "sidecar": (sidecar_servers, "statestore serve and the echo each in a child process (the floors')"),
+    "in-process": (in_process_servers, "both servers on the clients' event loop (no floors)"),
+}
 
 
 async def run(quick: bool, topologies: list[str], results_name: str = "server") -> None:
@@ -394,13 +398,13 @@ async def run(quick: bool, topologies: list[str], results_name: str = "server") 
     rows: list[dict[str, Any]] = []
     for topology in topologies:
         with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
-            async with TOPOLOGIES[topology](sizes, total, Path(tmp)) as servers:
+            async with TOPOLOGIES[topology][0](sizes, total, Path(tmp)) as servers:
                 chain = [struct.pack("<Q", i) + bytes(24) for i in range(16)]
                 found = await bench_lookup(servers, levels, seconds, chain)
                 found += [await bench_stream(servers, size, total, repeats) for size in sizes]
         rows += [{"topology": topology, **row} for row in found]
     for topology in topologies:
-        print(f"\n== {topology}: {TOPOLOGIES[topology].__doc__.split(':')[0].strip()}")
+        print(f"\n== {topology}: {TOPOLOGIES[topology][1]}")
         print("Lookup (16-block chain) vs raw gRPC echo of the same request")
         print_table([r for r in rows if r["topology"] == topology and r["case"] == "lookup"],
                     ["clients", "ops_s", "p50_ms", "p99_ms", "echo_ops_s", "echo_p50_ms", "echo_p99_ms", "ratio"])
