@@ -33,8 +33,8 @@ the servers in a child process, the echo's client took 654 us of CPU per 256 KiB
 dropping them, 840 keeping them; ours 850-1084); its put handler joined the whole stream into
 one fresh 32 MiB buffer, a copy into unmapped memory that PutRecords never makes for one-chunk
 records; and its data messages were bare 1 MiB chunks, where gRPC sends messages of exactly
-1 MiB at a third of the rate of ours (1 MiB + 173 bytes): its put client took 2461 us of CPU a
-message against 625 padded like ours.
+1 MiB at under half the rate of ours (1 MiB + 173 bytes): in three runs its put client took
+1797-2461 us of CPU a message against 625-703 padded like ours.
 
 Rounds run ours and the echo back to back, in alternating order (ours first, then the echo
 first), so drift and order effects cancel; a ratio is the median of the rounds' ratios, and
