@@ -53,7 +53,6 @@ import os
 import re
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +68,7 @@ from statestore.allocator import keep_large_buffers_in_heap
 from statestore.client import ClientOptions, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
-from statestore.spawn import spawn_serve
+from statestore.spawn import spawn_serve, spawn_until_ready
 from statestore.types import Durability
 from statestore.wire import frame_slices
 from tiers.record import HEADER_SIZE, Record, make_record
@@ -77,6 +76,7 @@ from tiers.record import HEADER_SIZE, Record, make_record
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 8 << 20
 ECHO = "/bench.v1.Echo/"
+ECHO_READY = re.compile(r"echo serving on 127\.0\.0\.1:(\d+)")  # the echo child's first line
 
 
 # ----- the raw echo service --------------------------------------------------------------------
@@ -226,18 +226,18 @@ async def sidecar_servers(sizes: list[int], total_bytes: int, tmp: Path) -> Asyn
     env = {**os.environ, "STATESTORE_SERVER_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
            "STATESTORE_STORAGE_HOST_BUDGET_BYTES": str(host_budget(total_bytes))}
     ours, ours_port = await asyncio.to_thread(spawn_serve, tmp / "data", env=env)
-    echo = subprocess.Popen([sys.executable, "-m", "bench.server", "--serve-echo", "--sizes",
-                             ",".join(map(str, sizes)), "--total-bytes", str(total_bytes)],
-                            stdout=subprocess.PIPE, text=True)
     try:
-        assert echo.stdout is not None
-        line = await asyncio.to_thread(echo.stdout.readline)
-        ready = re.search(r"echo serving on 127\.0\.0\.1:(\d+)", line)
-        if ready is None:
-            raise RuntimeError(f"the echo server did not start: {line!r}")
+        echo, echo_port = await asyncio.to_thread(spawn_until_ready, [
+            sys.executable, "-m", "bench.server", "--serve-echo", "--sizes", ",".join(map(str, sizes)),
+            "--total-bytes", str(total_bytes)], ECHO_READY, "the echo server")
+    except BaseException:
+        ours.kill()
+        ours.wait()
+        raise
+    try:
         async with StateStoreClient(f"127.0.0.1:{ours_port}") as c:
             fingerprint = (await c.stats()).model_fingerprint
-        yield Servers(ours_port, int(ready.group(1)), fingerprint)
+        yield Servers(ours_port, echo_port, fingerprint)
     finally:
         for proc in (echo, ours):
             proc.kill()
