@@ -26,7 +26,7 @@ from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES, Record, RecordError, dec
 logger = logging.getLogger(__name__)
 
 STAGE_MIN_BYTES = 1 << 20  # records this large are assembled in the SSD tier's aligned buffers (`Stager`)
-DEFER_FILL_MIN_BYTES = 4 << 20  # one LOCAL shm record this large is copied out by the SSD tier's write
+DEFER_FILL_MIN_BYTES = 4 << 20  # a LOCAL shm record this large may be copied out by the SSD tier's write
 MAX_STAGED_PER_CALL = 8  # beyond these (per PutRecords call) records are joined in the heap
 
 
@@ -149,7 +149,8 @@ class Stager:
         staging (small, or in one message frame: kept as a view) or cannot be (compressed, a
         foreign split of the header): `join_parts` then. RecordError as `join_parts` says it.
 
-        `defer` (one LOCAL record of a shared-memory stream, >= DEFER_FILL_MIN_BYTES): the copy
+        `defer` (a LOCAL record of a shared-memory stream, >= DEFER_FILL_MIN_BYTES: one alone, or
+        one whose checksum the server takes, as no checksum of its could fail later): the copy
         and its checksum are left to the SSD tier, which copies the payload out of the window
         piece by piece while it writes the previous piece, and verifies it before the record
         becomes visible (`tiers._fs.Staged.defer_fill`); a mismatch fails the put with the same

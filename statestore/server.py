@@ -258,10 +258,12 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                       [view, memoryview(lent)[start.lent_offset:start.lent_offset + start.lent_bytes]])  # type: ignore[arg-type]
                      for (start, _), view in zip(parts, views)]
             try:
-                # One LOCAL record alone: the SSD tier copies it out of the window while it writes it
-                # and verifies it before it becomes visible (`Stager.join(defer=True)`).
-                defer = len(parts) == 1 and parts[0][0].durability == int(Durability.LOCAL)
-                verified = [await self._verify(i, start, buf, tid, stager=stager, shared=True, defer=defer)
+                # A LOCAL record the SSD tier copies out of the window while it writes it, verifying it
+                # before it becomes visible (`Stager.join(defer=True)`): one alone, or any whose payload
+                # checksum the server takes (lent memory: there is no client checksum that could fail
+                # after an earlier record of the stream was stored, so nothing-before-verified holds).
+                verified = [await self._verify(i, start, buf, tid, stager=stager, shared=True,
+                                               defer=len(parts) == 1 or start.checksum_by_server)
                             for i, (start, buf) in enumerate(parts)]
                 async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
                     response = await self._put_verified(verified, parts)

@@ -19,9 +19,11 @@ import pytest
 import pytest_asyncio
 
 from proto.statestore.v1 import common_pb2, statestore_pb2
-from statestore.client import ClientOptions, StateStoreClient
+from statestore.client import ClientOptions, ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.payloads import PayloadPut
+from statestore import server as server_module
+from statestore.record_stream import with_server_checksum
 from statestore.server import StateStoreServer
 from statestore.shm import DATA_OFFSET, LENT_DIR, LentSpan, ShmRegion, ShmWindow, shm_supported
 from statestore.types import Durability, TierName
@@ -180,6 +182,43 @@ async def test_lent_memory_moves_the_bulk_without_the_window(server: StateStoreS
         records = await c.get_records(keys)  # and what is stored is the record as put
         assert [bytes(r.payload) for r in records] == [f"lent-{n}".encode() + b for n, b in enumerate(bodies)]
         assert not server.ssd._targets and not server.ssd._staged
+
+
+async def test_a_stream_of_lent_local_records_is_written_as_copied_and_stays_all_or_nothing(
+        server: StateStoreServer, lent: LentFile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several LOCAL records whose checksums the server takes (lent memory) are each copied out
+    by the SSD tier's write (deferred fills), and still nothing of a stream is stored when one of
+    its records is refused: the refusal comes before the first put."""
+    passes: list[int] = []  # records hashed in a pass of their own before being copied (not deferred)
+
+    def counted(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+        passes.append(len(parts))
+        return with_server_checksum(parts)
+
+    monkeypatch.setattr(server_module, "with_server_checksum", counted)
+    sizes = [5 << 20, 6 << 20, 4 << 20]
+    offsets = [0, 6 << 20, 13 << 20]
+    async with make_client(server) as c:
+        c.lend_shared_memory(lent.path)
+        fingerprint = await register(c)
+        bodies = [body_of(f"stream-{i}", n) for i, n in enumerate(sizes)]
+        items = [lent_item(fingerprint, f"stream-{i}", lent.span(at, b)) for i, (at, b) in enumerate(zip(offsets, bodies))]
+        bad = lent_item(b"\x01" * 16, "stream-bad", lent.span(18 << 20, body_of("bad", 4 << 20)))
+        with pytest.raises(ServiceError) as refused:  # the last record names a model nobody registered
+            await c.put_payloads([*items, bad], Durability.LOCAL)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "record 3" in refused.value.message
+        assert all(server.store.meta(i.header.key) is None for i in [*items, bad])
+        assert server.ssd.usage().num_records == 0 and not server.ssd._staged
+
+        infos = await c.put_payloads(items, Durability.LOCAL)
+        assert c.lent_active and [i.key for i in infos] == [i.header.key for i in items]
+        assert passes == []  # each was copied and hashed by its write
+        await c.evict([i.header.key for i in items], ["host"], force=True)  # read back from the files
+        for i in range(3):
+            lent.view[offsets[i]:offsets[i] + sizes[i]] = bytes(sizes[i])  # the sources are gone
+        records = await c.get_records([i.header.key for i in items])
+    assert [bytes(r.payload) for r in records] == [f"stream-{n}".encode() + b for n, b in enumerate(bodies)]
+    assert not server.ssd._staged
 
 
 async def test_a_client_whose_lent_memory_is_refused_copies_through_the_window(server: StateStoreServer,
