@@ -11,7 +11,11 @@ Payloads: random bf16 LMCache chunks of 256 tokens, in LMCache's layout:
 
 Paths (each: one warm-up chunk put and got outside the figures (`first_put_ms`/`first_get_ms`:
 memory a process touches first costs ~3 ms/MiB on the development VM, `Timings.measure`); then
-put every chunk, one at a time, waiting for it to be stored; then get each):
+put every chunk, one at a time, waiting for it to be stored; then get each. Then, except for the
+full caches, every chunk as one request, as LMCache's engine moves a request's chunks
+(`req_put_GBps`, `req_get_GBps`, `Timings.measure_request`): one `batched_submit_put_task` of
+them all, until the backend reported each written, then one `StorageManager.batched_get`; after
+a warm-up request of the same size):
 - `lmcache-cpu`: LocalCPUBackend (keeps references: no copy, nothing durable);
 - `lmcache-disk`, `lmcache-disk-odirect`: LocalDiskBackend (files without fsync; index in memory);
 - `lmcache-redis`: LMCache's `redis://` connector (`remote_url`) on the local Redis. It writes two
@@ -57,7 +61,8 @@ median over the rounds, and a floor is the median of the rounds' ratios (`ratios
 the results' params).
 
 Floors (issue 9): statestore's SSD path >= LMCache's local disk with O_DIRECT, put and get;
-statestore over Redis >= LMCache's `redis://`, put and get.
+statestore over Redis >= LMCache's `redis://`, put and get; per chunk, as the issue's p50/p99
+are. The request figures' ratios are printed and kept in the params (`request_ratios_by_round`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -195,6 +201,7 @@ class Timings:
         self.put_s: list[float] = []
         self.get_s: list[float] = []
         self.first_s: tuple[float, float] = (0.0, 0.0)  # the untimed warm-up chunk's put and get
+        self.request_s: tuple[float, float] | None = None  # every chunk as one request: batched put, batched get
         self.exact = True
 
     def measure(self, keys: list[Any], payloads: Sequence[torch.Tensor], put: Callable[[Any, torch.Tensor], float],
@@ -216,6 +223,26 @@ class Timings:
         self.get_s = [get(key, payload) for key, payload in zip(keys, payloads)]
         return self, keys
 
+    def measure_request(self, manager: Any, model: dict[str, Any], location: str, payloads: Sequence[torch.Tensor],
+                        salt: int, *, release: bool, between: Callable[[list[Any]], None] | None = None) -> None:
+        """Every chunk as one request, as LMCache's engine moves a request's chunks: one batched put
+        (`batched_submit_put_task`, the store path's call), waited for until the backend reported
+        each chunk written, then one `StorageManager.batched_get` (the retrieve path's call). Twice,
+        on other keys each time; the first is a warm-up outside the figures, as in `measure`: its
+        chunks are the first to use that much of LMCache's buffer at once, and on the development
+        VM memory touched first costs ~3 ms per MiB."""
+        for i in range(2):
+            keys = make_keys(len(payloads), salt + i)
+            put_s = put_request(manager, model, location, keys, payloads, release=release)
+            if between is not None:
+                between(keys)
+            t0 = time.perf_counter()
+            objs = manager.batched_get(keys, location=location)
+            get_s = time.perf_counter() - t0
+            for obj, payload in zip(objs, payloads):
+                self.check(obj, payload)
+            self.request_s = (put_s, get_s)
+
     def check(self, obj: Any, payload: torch.Tensor) -> None:
         self.exact = self.exact and obj is not None and torch.equal(obj.tensor, payload)
         if obj is not None:
@@ -231,6 +258,9 @@ class Timings:
                 "put_p50_ms": statistics.median(self.put_s) * 1e3, "put_p99_ms": pct(self.put_s, 0.99),
                 "get_p50_ms": statistics.median(self.get_s) * 1e3, "get_p99_ms": pct(self.get_s, 0.99),
                 "first_put_ms": self.first_s[0] * 1e3, "first_get_ms": self.first_s[1] * 1e3,
+                **({} if self.request_s is None else {
+                    "req_put_GBps": chunk_bytes * len(self.put_s) / self.request_s[0] / 1e9,
+                    "req_get_GBps": chunk_bytes * len(self.get_s) / self.request_s[1] / 1e9}),
                 "bit_exact": self.exact, **extra}
 
 
@@ -254,9 +284,31 @@ def put_remote(manager: Any, model: dict[str, Any], location: str, key: Any, pay
     return took
 
 
+def put_request(manager: Any, model: dict[str, Any], location: str, keys: list[Any], payloads: Sequence[torch.Tensor],
+                *, release: bool) -> float:
+    """All chunks through the backend's `batched_submit_put_task` at once, until its completion
+    callback has fired for each (a backend calls it once a chunk is written); seconds taken.
+    `release`: drop our references afterwards (a RemoteBackend holds its own while it writes;
+    a local backend took ours, as in `put_local`)."""
+    backend = manager.storage_backends[location]
+    objs = [fill(manager, model, p) for p in payloads]
+    written = threading.Semaphore(0)
+    t0 = time.perf_counter()
+    backend.batched_submit_put_task(keys, objs, on_complete_callback=lambda _key: written.release())
+    for _ in keys:
+        if not written.acquire(timeout=300):
+            raise TimeoutError(f"{location}: a batched put did not complete")
+    took = time.perf_counter() - t0
+    if release:
+        for obj in objs:
+            obj.ref_count_down()
+    return took
+
+
 def run_local(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str,
-              salt: int) -> tuple[Timings, list[Any]]:
-    """LMCache's own LocalCPUBackend or LocalDiskBackend: put (until contained), then get."""
+              salt: int, *, request: bool = True) -> tuple[Timings, list[Any]]:
+    """LMCache's own LocalCPUBackend or LocalDiskBackend: put (until contained), then get; then
+    (`request`) the chunks as one request (`Timings.measure_request`)."""
     t = Timings()
 
     def put(key: Any, payload: torch.Tensor) -> float:
@@ -269,12 +321,17 @@ def run_local(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tens
         t.check(obj, payload)
         return took
 
-    return t.measure(make_keys(len(payloads), salt), payloads, put, get, warm_up_key=make_keys(1, salt + 1000)[0])
+    t.measure(make_keys(len(payloads), salt), payloads, put, get, warm_up_key=make_keys(1, salt + 1000)[0])
+    if request:
+        t.measure_request(manager, model, location, payloads, salt + 2000, release=False)
+    return t, make_keys(len(payloads), salt)
 
 
 def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str, salt: int,
-               before_get: Callable[[list[Any]], None] | None = None) -> tuple[Timings, list[Any]]:
-    """A RemoteBackend (our plugin or LMCache's redis://): each put waits for its future."""
+               before_get: Callable[[list[Any]], None] | None = None, *,
+               request: bool = True) -> tuple[Timings, list[Any]]:
+    """A RemoteBackend (our plugin or LMCache's redis://): each put waits for its future; then
+    (`request`) the chunks as one request (`Timings.measure_request`)."""
     remote = manager.storage_backends[location]
     t = Timings()
 
@@ -293,12 +350,16 @@ def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Ten
         if before_get is not None:
             before_get(keys)
 
-    return t.measure(make_keys(len(payloads), salt), payloads, put, get, between,
-                     warm_up_key=make_keys(1, salt + 1000)[0])
+    t.measure(make_keys(len(payloads), salt), payloads, put, get, between, warm_up_key=make_keys(1, salt + 1000)[0])
+    if request:
+        t.measure_request(manager, model, location, payloads, salt + 2000, release=True, between=between)
+    return t, make_keys(len(payloads), salt)
 
 
 def cpu_bytes_for(model: dict[str, Any], num_chunks: int) -> int:
-    return 2 * num_chunks * chunk_shape(model).numel() * 2 + (256 << 20)
+    """LMCache's CPU buffer: room for every chunk four times over (it keeps what it reads back
+    from another tier: the per-chunk gets and a request's gets, beside a request's puts)."""
+    return 4 * num_chunks * chunk_shape(model).numel() * 2 + (256 << 20)
 
 
 def run_lmcache_paths(name: str, num_chunks: int, work: Path) -> list[dict[str, Any]]:
@@ -339,7 +400,7 @@ def run_lmcache_full(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
         fillers = make_keys(num_chunks + 1, 5)
         for key, payload in zip(fillers, itertools.cycle(payloads)):
             put_local(manager, model, "LocalDiskBackend", key, payload)
-        t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 6)
+        t, keys = run_local(manager, model, payloads, "LocalDiskBackend", 6, request=False)
         held = sum(manager.storage_backends["LocalDiskBackend"].contains(k) for k in fillers)
     finally:
         manager.close()
@@ -367,7 +428,7 @@ def run_statestore_full(name: str, num_chunks: int, work: Path) -> dict[str, Any
         fillers = make_keys(num_chunks + 1, 7)
         for key, payload in zip(fillers, itertools.cycle(payloads)):
             put_remote(manager, model, location, key, payload)
-        t, keys = run_remote(manager, model, payloads, location, 8)
+        t, keys = run_remote(manager, model, payloads, location, 8, request=False)
         assert connector.num_failures == 0, "statestore-ssd-full: the connector reported failures (see the log)"
         held = sum(remote.contains(k) for k in fillers)
     finally:
@@ -559,6 +620,7 @@ def run_rounds(name: str, num_chunks: int, work: Path, rounds: int, only: Sequen
 
 NUMERIC = ("put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms", "get_p50_ms", "get_p99_ms", "first_put_ms",
            "first_get_ms")
+REQUEST = ("req_put_GBps", "req_get_GBps")  # paths measured as one request too (`Timings.measure_request`)
 
 
 def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -570,8 +632,11 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for runs in by_path.values():
         merged = {**runs[0], "round": "median", "rounds": len(runs)}
-        for col in NUMERIC:
-            merged[col] = statistics.median(r[col] for r in runs)
+        for col in NUMERIC + REQUEST:
+            if all(col in r for r in runs):
+                merged[col] = statistics.median(r[col] for r in runs)
+            else:  # (a request figure some round lacks: none, rather than one round's)
+                merged.pop(col, None)
         merged["bit_exact"] = all(r["bit_exact"] for r in runs)
         out.append(merged)
     return out
@@ -580,7 +645,8 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def round_ratios(rows: Sequence[dict[str, Any]], model: str, ours: str, theirs: str, op: str) -> list[float]:
     """ours / theirs GB/s of `op` in each round that measured both."""
     def by_round(path: str) -> dict[int, float]:
-        return {r["round"]: r[f"{op}_GBps"] for r in rows if r["model"] == model and r["path"] == path}
+        return {r["round"]: r[f"{op}_GBps"] for r in rows if r["model"] == model and r["path"] == path
+                and f"{op}_GBps" in r}
 
     a, b = by_round(ours), by_round(theirs)
     return [a[i] / b[i] for i in sorted(a) if i in b]
@@ -617,8 +683,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     columns = ["model", "path", "round", "chunks", "chunk_MiB", "put_GBps", "get_GBps", "put_p50_ms", "put_p99_ms",
-               "get_p50_ms", "get_p99_ms", "first_put_ms", "first_get_ms", "durable", "restart_found", "bit_exact",
-               "stored_MiB", "read_from", "fillers_left"]
+               "get_p50_ms", "get_p99_ms", "first_put_ms", "first_get_ms", "req_put_GBps", "req_get_GBps", "durable",
+               "restart_found", "bit_exact", "stored_MiB", "read_from", "fillers_left"]
     summary = median_rows(rows)
     if rounds > 1:
         print_table(rows, columns)
@@ -634,6 +700,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 label = f"{name}_{ours}_{op}_vs_{theirs}"
                 ratios[label] = round_ratios(rows, name, ours, theirs, op)
                 floors[label] = Floor(statistics.median(ratios[label]), 1.0)
+    request = {f"{name}_{ours}_{op}_vs_{theirs}": round_ratios(rows, name, ours, theirs, op)
+               for name in models for ours, theirs in (("statestore-ssd", "lmcache-disk-odirect"),
+                                                       ("statestore-redis", "lmcache-redis"))
+               for op in ("req_put", "req_get")}
     full = {f"{name}_statestore-ssd-full_{op}_vs_lmcache-disk-odirect-full":
             round_ratios(rows, name, "statestore-ssd-full", "lmcache-disk-odirect-full", op)
             for name in models for op in ("put", "get")}
@@ -641,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nRatios per round (the floor is their median):")
         for label, values in ratios.items():
             print(f"  {label}: " + " ".join(f"{v:.2f}" for v in values))
+    print("\nEvery chunk as one request, LMCache's batched calls (no floor; median of the rounds' ratios):")
+    for label, values in request.items():
+        print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
     print("\nFull caches, every put evicting (no floor; median of the rounds' ratios):")
     for label, values in full.items():
         print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
@@ -651,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "chunks_per_model": num_chunks, "rounds": rounds, "chunk_tokens": CHUNK_TOKENS,
         "models": {m: MODELS[m] for m in models}, "lmcache": metadata.version("lmcache"), "quick": args.quick,
         "ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in ratios.items()},
+        "request_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in request.items()},
         "full_cache_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in full.items()},
         "seconds": round(time.monotonic() - started, 1)})
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")

@@ -30,3 +30,14 @@ def test_round_ratios_pair_the_sides_round_by_round() -> None:
             row("theirs", 0, 100.0, 100.0, model="other")]  # another model's row is not paired
     assert round_ratios(rows, "m", "ours", "theirs", "put") == [2.0, 0.5]
     assert round_ratios(rows, "m", "ours", "theirs", "get") == [0.25, 1.0]
+
+
+def test_request_figures_are_medians_only_where_every_round_has_them() -> None:
+    rows = [{**row("a", 0, 1.0, 1.0), "req_put_GBps": 2.0, "req_get_GBps": 8.0},
+            {**row("a", 1, 1.0, 1.0), "req_put_GBps": 4.0, "req_get_GBps": 6.0},
+            {**row("a", 2, 1.0, 1.0), "req_put_GBps": 9.0, "req_get_GBps": 1.0},
+            {**row("b", 0, 1.0, 1.0), "req_put_GBps": 3.0}, row("b", 1, 1.0, 1.0)]  # b's second round has none
+    by_path = {r["path"]: r for r in median_rows(rows)}
+    assert by_path["a"]["req_put_GBps"] == 4.0 and by_path["a"]["req_get_GBps"] == 6.0
+    assert "req_put_GBps" not in by_path["b"] and "req_get_GBps" not in by_path["b"]
+    assert round_ratios(rows, "m", "a", "b", "req_put") == [2.0 / 3.0]  # round 1: b has no request figure
