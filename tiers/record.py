@@ -37,6 +37,8 @@ from typing import NewType
 import xxhash
 import zstandard
 
+from tiers._memcpy import address, copy_bytes
+
 MAGIC = b"SSR\x01"
 FORMAT_VERSION = 1
 FLAG_ZSTD = 0x1
@@ -92,11 +94,16 @@ def copy_hashing(dest: memoryview, src: bytes | memoryview, hasher: xxhash.xxh3_
     """Copy `src` into `dest` (as long) block by block, hashing each block of `dest` right after
     its copy, while it is in cache (one pass over memory instead of two; `hasher` None: copy
     only). What is hashed is what was copied, even if another process writes `src` (shared
-    memory) meanwhile."""
+    memory) meanwhile. Neither the copy (between writable buffers, `tiers._memcpy`) nor the
+    hash holds the GIL: the threads waiting on the disk meanwhile go on."""
     view = memoryview(src)
+    if dest.nbytes != view.nbytes:
+        raise ValueError(f"copy_hashing: {view.nbytes} bytes into a {dest.nbytes}-byte buffer")
+    dest_at = address(dest)
+    src_at = address(view) if dest_at is not None else None
     for start in range(0, len(view), COPY_HASH_BLOCK_BYTES):
         end = min(len(view), start + COPY_HASH_BLOCK_BYTES)
-        dest[start:end] = view[start:end]
+        copy_bytes(dest, dest_at, view, src_at, start, end)
         if hasher is not None:
             hasher.update(dest[start:end])
 

@@ -355,6 +355,43 @@ def test_copy_hashing_copies_and_hashes_what_it_copied(size: int, cuts: list[int
             copy_hashed(memoryview(bytearray(size - 1)), parts)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3 * (256 << 10) + 17), st.integers(0, 5000), st.integers(0, 5000), st.booleans(),
+       st.booleans())
+def test_copy_hashing_between_writable_buffers_copies_without_slices(size: int, src_off: int, dest_off: int,
+                                                                     hashed: bool, src_writable: bool) -> None:
+    """Between writable buffers copy_hashing copies with ctypes.memmove (no GIL held), at any
+    offset into either buffer, exactly the bytes a slice copy would, touching nothing around
+    them; from a read-only source it copies by slices; a destination of another length is refused."""
+    from tiers._memcpy import address
+    from tiers.record import copy_hashing
+
+    data = bytearray((i * 13 + 5) % 256 for i in range(src_off + size))
+    src = memoryview(data)[src_off:] if src_writable else memoryview(bytes(data))[src_off:]
+    assert (address(src) is not None) == (src_writable and size > 0)
+    backing = bytearray(b"\xee" * (dest_off + size + 64))
+    dest = memoryview(backing)[dest_off:dest_off + size]
+    hasher = xxhash.xxh3_64() if hashed else None
+    copy_hashing(dest, src, hasher)
+    assert backing[dest_off:dest_off + size] == data[src_off:]
+    assert backing[:dest_off] == b"\xee" * dest_off and backing[dest_off + size:] == b"\xee" * 64
+    if hasher is not None:
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(bytes(data[src_off:]))
+    with pytest.raises(ValueError, match="copy_hashing"):
+        copy_hashing(memoryview(backing)[dest_off:dest_off + size + 1], src, None)
+
+
+def test_address_is_none_for_what_ctypes_cannot_copy_into_or_from() -> None:
+    from tiers._memcpy import address
+
+    buf = bytearray(64)
+    assert address(memoryview(buf)) is not None
+    assert address(memoryview(buf).toreadonly()) is None  # read-only
+    assert address(memoryview(buf)[::2]) is None  # not contiguous
+    assert address(memoryview(buf).cast("I")) is None  # not bytes
+    assert address(memoryview(buf)[:0]) is None  # empty
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2 * (256 << 10) + 33), st.lists(st.integers(0, 600_000), max_size=4),
        st.integers(0, 600_000), st.integers(0, 600_000), st.booleans())
