@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -943,15 +944,41 @@ async def test_a_failed_staged_write_leaves_nothing(tier: SSDTier, monkeypatch: 
     assert files_under(tier._layout.root) == []
 
 
-async def test_a_get_delivers_into_a_registered_target_while_it_reads(tier: SSDTier) -> None:
+@pytest.mark.parametrize("loop_reads", [True, False], ids=["on-the-loop", "on-threads"])
+async def test_a_get_delivers_into_a_registered_target_while_it_reads(tmp_path: Path, loop_reads: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`reading_into`: a get of a large record copies its payload into the target as it reads
     (filled, bit-exact, the record returned as usual); a record of another tenant is not
     copied at all; a corrupt one leaves the target unfilled and is quarantined; small records,
-    a second target for a key already targeted and gets after the context are not delivered."""
-    from tiers.ssd import DELIVER_MIN_BYTES, READ_PIECE_BYTES
+    a second target for a key already targeted and gets after the context are not delivered.
+    Both ways of reading: native AIO on the event loop (`_read_into_on_loop`, where the kernel
+    has it) and pieces on a thread (`_read_record_into`)."""
+    from tiers.ssd import DELIVER_MIN_BYTES, READ_PIECE_BYTES, READ_WINDOW
 
-    big = rec(1, 2 * READ_PIECE_BYTES + 12345)
-    small = rec(2, DELIVER_MIN_BYTES // 2)
+    import tiers.ssd as ssd_module
+
+    on_threads: list[bytes] = []  # keys the thread path read (a spy: it still reads them)
+
+    def read_record_into(path: str, key: bytes, *args: object) -> object:
+        on_threads.append(key)
+        return real(path, key, *args)
+
+    real = ssd_module._read_record_into
+    monkeypatch.setattr(ssd_module, "_read_record_into", read_record_into)
+    tier = await SSDTier.create(tmp_path / "ssd", loop_reads=loop_reads)
+    try:
+        big = rec(1, (READ_WINDOW + 2) * READ_PIECE_BYTES + 12345)
+        await _deliveries(tier, big, DELIVER_MIN_BYTES, READ_PIECE_BYTES)
+        if tier._aio is not None:  # every delivering get was read on the loop
+            assert on_threads == []
+        elif not loop_reads:
+            assert big.key in on_threads
+    finally:
+        await tier.aclose()
+
+
+async def _deliveries(tier: SSDTier, big: Record, deliver_min_bytes: int, piece_bytes: int) -> None:
+    small = rec(2, deliver_min_bytes // 2)
     assert await tier.put_many([big, small]) == [True, True]
     dest = bytearray(len(big.payload))
     with tier.reading_into(big.key, memoryview(dest), b"T" * 16) as target:
@@ -966,14 +993,55 @@ async def test_a_get_delivers_into_a_registered_target_while_it_reads(tier: SSDT
         assert_same(await tier.get(small.key), small)
     assert not target.filled
     path = record_path(tier._layout.root, big)
+    last_piece = len(big.payload) // piece_bytes * piece_bytes
     with open(path, "r+b") as f:  # a flipped bit in the last piece
-        f.seek(HEADER_SIZE + 2 * READ_PIECE_BYTES + 100)
+        f.seek(last_piece + 100)
         byte = f.read(1)[0]
-        f.seek(HEADER_SIZE + 2 * READ_PIECE_BYTES + 100)
+        f.seek(last_piece + 100)
         f.write(bytes([byte ^ 0x04]))
     with tier.reading_into(big.key, memoryview(bytearray(len(big.payload)))) as target:
         assert await tier.get(big.key) is None
     assert not target.filled and not path.exists() and await tier.contains([big.key]) == [False]
+
+
+async def test_a_delivering_get_on_the_loop_falls_back_or_stops_cleanly(tmp_path: Path) -> None:
+    """The loop's delivering read (`_read_into_on_loop`): a file shorter than the index says is
+    left to the thread path, which quarantines it; a get cancelled while its pieces are in flight
+    writes nothing into the target once the cancellation has returned, and leaves no descriptor
+    open; the next get of the record is delivered whole."""
+    from tiers.ssd import READ_PIECE_BYTES, READ_WINDOW
+
+    tier = await SSDTier.create(tmp_path / "ssd")
+    try:
+        if tier._aio is None:
+            pytest.skip("no native AIO on this kernel: the thread path is the only one")
+        short, big = rec(1, 3 * READ_PIECE_BYTES), rec(2, (2 * READ_WINDOW + 1) * READ_PIECE_BYTES)
+        assert await tier.put_many([short, big]) == [True, True]
+        os.truncate(record_path(tier._layout.root, short), HEADER_SIZE + READ_PIECE_BYTES + 4096)
+        with tier.reading_into(short.key, memoryview(bytearray(len(short.payload)))) as target:
+            assert await tier.get(short.key) is None
+        assert not target.filled and await tier.contains([short.key]) == [False]
+
+        fds_before = len(os.listdir("/proc/self/fd"))
+        dest = bytearray(len(big.payload))
+        for delay in (0.0, 0.001, 0.003):
+            with tier.reading_into(big.key, memoryview(dest)) as target:
+                task = asyncio.create_task(tier.get(big.key))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            snapshot = bytes(dest)
+            await asyncio.sleep(0.05)  # anything still copying would show here
+            assert bytes(dest) == snapshot
+        await asyncio.sleep(0.05)
+        assert len(os.listdir("/proc/self/fd")) == fds_before
+        dest[:] = bytes(len(dest))
+        with tier.reading_into(big.key, memoryview(dest)) as target:
+            assert_same(await tier.get(big.key), big)
+        assert target.filled and bytes(dest) == big.payload
+    finally:
+        await tier.aclose()
 
 
 @pytest.mark.parametrize("path", ["direct", "buffered", "zstd"])
