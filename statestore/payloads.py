@@ -545,9 +545,12 @@ class PayloadTransport:
             call.cancel()
 
     def close(self) -> None:
+        """Unmap the window and close the descriptor of lent memory: a client that kept it open
+        kept the pages of a lent file its owner had freed (LMCache unlinks its buffer at close)."""
         if self._region is not None:
             self._region.close()
             self._region = None
+        self.unlend()
 
 
 def _attached(metadata: Any) -> bool:

@@ -221,6 +221,22 @@ async def test_a_stream_of_lent_local_records_is_written_as_copied_and_stays_all
     assert not server.ssd._staged
 
 
+async def test_a_closed_client_keeps_no_descriptor_of_lent_memory(server: StateStoreServer, lent: LentFile) -> None:
+    """Closing the client closes its descriptor of the lent file: the owner of that memory (LMCache
+    unlinks its buffer when it closes) gets its pages back, instead of a deleted file held open."""
+    def holders() -> list[str]:
+        return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == lent.path]
+
+    async with make_client(server) as c:
+        c.lend_shared_memory(lent.path)
+        fingerprint = await register(c)
+        body = body_of("closing", 1 << 20)
+        await c.put_payloads([lent_item(fingerprint, "closing", lent.span(0, body))], Durability.MEMORY)
+        assert c.lent_active
+        held = holders()  # the client's, and the mappings' of the test and of the server (mmap keeps a dup)
+    assert len(holders()) == len(held) - 1 and set(holders()) < set(held)
+
+
 async def test_a_client_whose_lent_memory_is_refused_copies_through_the_window(server: StateStoreServer,
                                                                               lent: LentFile) -> None:
     async with make_client(server) as c:
