@@ -559,6 +559,19 @@ def _decoded(fd: int, key: RecordKey, data: memoryview, keep_view: bool) -> _Rea
         return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
 
 
+def _open_on_loop(aio: AioReads, path: str) -> int | _ReadResult | None:
+    """A record file opened for a read on the loop (O_DIRECT), the `_ReadResult` of one that is
+    gone or cannot be opened, or None where the open would wait (the caller reads on a thread)."""
+    try:
+        return aio.open_cached(path)
+    except WouldBlock:
+        return None
+    except FileNotFoundError:
+        return _ReadResult(None, missing=True)
+    except OSError as exc:
+        return _ReadResult(None, error=exc)
+
+
 @dataclass(frozen=True, slots=True)
 class _PieceRead:
     """One piece of a delivering read on the loop: a native AIO read (`aio`), or, where that
@@ -1334,14 +1347,9 @@ class SSDTier(Tier):
         if aio is None or not self._loop_readable(entry) or not aio.usable():
             return None
         lend = self._read_mode(entry)[1]
-        try:
-            fd = aio.open_cached(path)
-        except WouldBlock:
-            return None
-        except FileNotFoundError:
-            return _ReadResult(None, missing=True)
-        except OSError as exc:
-            return _ReadResult(None, error=exc)
+        fd = _open_on_loop(aio, path)
+        if not isinstance(fd, int):
+            return fd
         want = entry.file_bytes + 1  # one byte more: a file that grew shows as too long
         size = _fs.round_up(want, _fs.ALIGN)
         buf = self._buffers.lend(size) if lend else self._buffers.take(size)
@@ -1384,21 +1392,17 @@ class SSDTier(Tier):
                                  ) -> _ReadResult | None:
         """`_read_record_into` with its reads on the event loop (`tiers._aio`): READ_WINDOW pieces
         in flight, each copied into the target (and hashed) on a helper thread once it and the
-        pieces before it have landed. None where it cannot read the whole record this way (no
-        native AIO, a path not in the lookup cache, a read that would wait, a file shorter than
-        the index says): the caller then reads it on a thread, as before. Returns only once no
-        read and no copy is in flight: nothing writes into the target after the get."""
+        pieces before it have landed; a piece whose read would wait (RWF_NOWAIT) or finds the AIO
+        context full is read on a helper thread instead. None where it cannot start or finish
+        this way (no native AIO, a path not in the lookup cache, a file shorter than the index
+        says): the caller then reads the record on a thread, as before. Returns only once no read
+        and no copy is in flight: nothing writes into the target after the get."""
         aio, helpers = self._aio, self._helpers
         if aio is None or helpers is None or not self._read_direct(entry) or not aio.usable():
             return None
-        try:
-            fd = aio.open_cached(path)
-        except WouldBlock:
-            return None
-        except FileNotFoundError:
-            return _ReadResult(None, missing=True)
-        except OSError as exc:
-            return _ReadResult(None, error=exc)
+        fd = _open_on_loop(aio, path)
+        if not isinstance(fd, int):
+            return fd
         try:
             inode = os.fstat(fd).st_ino  # a bad record's file is quarantined by the inode read
         except OSError as exc:
