@@ -590,8 +590,9 @@ def run_lmcache_redis(name: str, num_chunks: int) -> list[dict[str, Any]]:
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"lmcache-redis child did not finish in {CHILD_TIMEOUT_S} s") from exc
     rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
-    if not rows:
-        raise RuntimeError(f"lmcache-redis child failed: {out.stdout[-2000:]}{out.stderr[-3000:]}")
+    if not rows:  # (LMCache logs every step: what it said last, less its INFO lines)
+        said = [line for line in (out.stdout + out.stderr).splitlines() if "LMCache INFO" not in line]
+        raise RuntimeError(f"lmcache-redis child failed (exit {out.returncode}): " + "\n".join(said[-40:]))
     return rows
 
 
