@@ -626,7 +626,8 @@ REQUEST = ("req_put_GBps", "req_get_GBps")  # paths measured as one request too 
 
 def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (model, path): the median of each figure over the rounds (other fields from
-    the first round; `bit_exact` only if every round was)."""
+    the first round; `bit_exact` only if every round was; `restart_found` the fewest any round
+    found)."""
     by_path: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         by_path.setdefault((row["model"], row["path"]), []).append(row)
@@ -639,6 +640,8 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             else:  # (a request figure some round lacks: none, rather than one round's)
                 merged.pop(col, None)
         merged["bit_exact"] = all(r["bit_exact"] for r in runs)
+        if all(isinstance(r.get("restart_found"), int) for r in runs):
+            merged["restart_found"] = min(r["restart_found"] for r in runs)
         out.append(merged)
     return out
 

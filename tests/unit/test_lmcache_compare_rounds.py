@@ -41,3 +41,10 @@ def test_request_figures_are_medians_only_where_every_round_has_them() -> None:
     assert by_path["a"]["req_put_GBps"] == 4.0 and by_path["a"]["req_get_GBps"] == 6.0
     assert "req_put_GBps" not in by_path["b"] and "req_get_GBps" not in by_path["b"]
     assert round_ratios(rows, "m", "a", "b", "req_put") == [2.0 / 3.0]  # round 1: b has no request figure
+
+
+def test_restart_found_is_the_fewest_any_round_found() -> None:
+    rows = [{**row("a", 0, 1.0, 1.0), "restart_found": 16}, {**row("a", 1, 1.0, 1.0), "restart_found": 0},
+            {**row("b", 0, 1.0, 1.0), "restart_found": None}]
+    by_path = {r["path"]: r for r in median_rows(rows)}
+    assert by_path["a"]["restart_found"] == 0 and by_path["b"]["restart_found"] is None
