@@ -123,10 +123,17 @@ class Stager:
     lies, without copying the payload again. The buffers stay staged until the call's puts are
     done (`stack`); a record kept afterwards (by the host tier, a reader) holds a plain view."""
 
-    def __init__(self, ssd: Any, stack: contextlib.ExitStack) -> None:
-        self._ssd, self._stack = ssd, stack
+    def __init__(self, ssd: Any, stack: contextlib.ExitStack, host: Any = None) -> None:
+        self._ssd, self._stack, self._host = ssd, stack, host
         self._num_staged = 0
         self._deferred: list[Any] = []  # staged buffers whose fill was left to the SSD tier's write
+
+    def stage_in_host(self, record: Record) -> None:
+        """Copy a verified MEMORY record into host-tier pages now (`HostTier.stage`), while the
+        rest of the stream still comes in: its put after the stream then takes them without a
+        copy. Pages no put took go back when the call ends (a later record refused, a failure)."""
+        if self._host is not None and self._host.stage(record):
+            self._stack.callback(self._host.unstage, record.payload)
 
     def settle(self) -> None:
         """After the call's puts: a deferred fill that no write consumed means nothing was

@@ -231,7 +231,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
     @unary
     async def PutRecords(self, request_iterator: Any, context: Any, tenant: str) -> Any:
         with contextlib.ExitStack() as staging:  # staged payloads (`Stager`) live until the puts are done
-            return await self._put_records(request_iterator, context, tenant, Stager(self._owner.ssd, staging))
+            return await self._put_records(request_iterator, context, tenant,
+                                           Stager(self._owner.ssd, staging, self._owner.host))
 
     async def _put_records(self, request_iterator: Any, context: Any, tenant: str, stager: Stager) -> Any:
         owner = self._owner
@@ -292,6 +293,8 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
             start, chunks = done[i]
             verified.append(await self._verify(i, start, chunks, tid, sums[i], stager=stager))
             chunks.clear()  # the verified record holds its own copy of the payload
+            if verified[-1][2] is Durability.MEMORY:
+                stager.stage_in_host(verified[-1][0])  # copied into its pages now, stored after the stream
 
     def _shm_window(self, context: Any, *, put: bool) -> ShmWindow | None:
         """The shared-memory window the call names (statestore/shm.py), None without one. A put
@@ -623,6 +626,7 @@ class StateStoreServer:
         self.models: set[bytes] = set()
         self.store: TieredStore
         self.ssd: Any = None  # the SSD tier, whose aligned buffers stage large records (`Stager`)
+        self.host: Any = None  # the host tier, which takes a stream's MEMORY records as they are verified (`Stager`)
         self.sessions: ss.SessionManager
         self.adapter: Any = None
         self.metrics = ServiceMetrics(lambda: self.store.stats())
@@ -665,7 +669,7 @@ class StateStoreServer:
 
             redis = RedisTier(c.redis_url, prefix=c.redis_prefix)
         store = TieredStore(host=host, ssd=ssd, redis=redis, policy=policy, config=store_config)
-        self.ssd = ssd
+        self.ssd, self.host = ssd, host
         self.open_report = report = await store.open()  # the SSD's open-time scan, not a second walk
         for tier, reasons in report.discarded.items():
             for reason in reasons:

@@ -6,6 +6,10 @@ checksum), which `get` verifies, so a bit flip in RAM is a miss, never served.
 
 Everything here is in-memory bookkeeping plus memcpy: no call awaits, so each operation is
 atomic on the event loop.
+
+`stage` copies a record's payload into pages reserved ahead of its `put`, which then takes them
+without copying: a server stages each record of a PutRecords stream as it is verified, while
+the rest of the stream still comes in, and stores nothing before the whole stream is verified.
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ from tiers.record import Record, RecordHeader, RecordKey, decode_header, encode_
 class _Resident:
     header: bytes  # the encoded header: HEADER_SIZE bytes, counted in the footprint
     alloc: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    payload: object  # held: staged pages are found by the payload's id, which stays its own meanwhile
+    kind: int
+    alloc: Allocation
+    footprint: int
 
 
 class HostTier(Tier):
@@ -52,6 +64,8 @@ class HostTier(Tier):
             self._pools = PerKindPools(budget_bytes, page_sizes, default_page_bytes,
                                        slab_bytes=slab_bytes, materialize=materialize)
         self._index: dict[RecordKey, _Resident] = {}
+        self._staged: dict[int, _Staged] = {}  # id(payload) -> pages its record's put will take
+        self._staged_bytes = 0
 
     @property
     def pools(self) -> PoolSet:
@@ -59,12 +73,20 @@ class HostTier(Tier):
         return self._pools
 
     async def put(self, record: Record) -> bool:
-        """Store the record; False (and the previous copy kept) if the budget cannot fit it."""
-        alloc = self._pools.reserve(record.header.kind, len(record.payload))
-        if alloc is None:
-            return False
-        header = encode_header(record.header, stored_length=len(record.payload), flags=0,
-                               checksum=self._write_payload(alloc, record))
+        """Store the record; False (and the previous copy kept) if the budget cannot fit it.
+        A record whose payload was staged (`stage`) takes its pages, already written."""
+        staged = self._unstaged(record.payload) if self._staged else None
+        if staged is not None and staged.kind != record.header.kind:
+            self._pools.release(staged.alloc)
+            staged = None
+        if staged is not None:
+            alloc, checksum = staged.alloc, record.payload_sum()
+        else:
+            alloc = self._pools.reserve(record.header.kind, len(record.payload))
+            if alloc is None:
+                return False
+            checksum = self._write_payload(alloc, record)
+        header = encode_header(record.header, stored_length=len(record.payload), flags=0, checksum=checksum)
         self._drop(record.key)
         self._index[record.key] = _Resident(header, alloc)
         return True
@@ -73,6 +95,39 @@ class HostTier(Tier):
         """Copy the payload into its pages; returns the checksum its header stores."""
         self._pools.write(alloc, record.payload)
         return record.payload_sum()
+
+    def stage(self, record: Record) -> bool:
+        """Copy `record`'s payload into pages reserved now, for the `put` of a record with the same
+        payload object (a server re-stamps the header) to take without copying. False, holding
+        nothing, where the budget has no room now (that put then reserves as usual, once the store
+        made room) or the payload is staged already. The pages count as held until a put takes
+        them or `unstage` gives them back; `occupancy` leaves them out, as the store counts a
+        record's footprint when it puts it."""
+        payload = record.payload
+        if id(payload) in self._staged:
+            return False
+        alloc = self._pools.reserve(record.header.kind, len(payload))
+        if alloc is None:
+            return False
+        self._write_payload(alloc, record)
+        footprint = self.footprint(record)
+        self._staged[id(payload)] = _Staged(payload, record.header.kind, alloc, footprint)
+        self._staged_bytes += footprint
+        return True
+
+    def unstage(self, payload: object) -> None:
+        """Give back the pages staged for `payload`, if no put took them."""
+        staged = self._unstaged(payload)
+        if staged is not None:
+            self._pools.release(staged.alloc)
+
+    def _unstaged(self, payload: object) -> _Staged | None:
+        staged = self._staged.get(id(payload))
+        if staged is None or staged.payload is not payload:
+            return None
+        del self._staged[id(payload)]
+        self._staged_bytes -= staged.footprint
+        return staged
 
     async def get(self, key: RecordKey) -> Record | None:
         entry = self._index.get(key)
@@ -137,7 +192,7 @@ class HostTier(Tier):
         return TierUsage(self.name, self._pools.budget.capacity_bytes, self._pools.usage_by_kind())
 
     def occupancy(self) -> tuple[int, int]:
-        return self._pools.budget.capacity_bytes, self._pools.resident_bytes
+        return self._pools.budget.capacity_bytes, self._pools.resident_bytes - self._staged_bytes
 
     def footprint(self, record: Record) -> int:
         return self._pools.footprint(record.header.kind, len(record.payload))

@@ -302,12 +302,15 @@ BAD_STREAMS = {
 async def test_bad_record_stream_is_rejected_and_changes_nothing(case: str, alice: StateStoreClient,
                                                                  server: StateStoreServer) -> None:
     await alice.put_records([record(server, 4)], Durability.LOCAL)
-    before = await snapshot(alice)
+    before, host_bytes = await snapshot(alice), server.host.usage().resident_bytes
     make, code, *fragments = BAD_STREAMS[case]
     await assert_rejected(alice.put_raw(make(server)), code, *fragments)
     assert await snapshot(alice) == before
     assert await alice.health() == "SERVING"
     assert not server.ssd._staged  # every staging buffer was released
+    # Records verified before the bad one were copied into host pages as the stream came in
+    # (`HostTier.stage`): those pages went back with the call.
+    assert not server.host._staged and server.host.usage().resident_bytes == host_bytes
 
 
 async def test_message_over_the_limit_is_resource_exhausted(server: StateStoreServer) -> None:
@@ -436,3 +439,4 @@ async def test_client_disconnecting_mid_stream_stores_nothing(alice: StateStoreC
     assert await snapshot(alice) == before
     assert await alice.get_records([big.key]) == [None]
     assert await alice.health() == "SERVING"
+    assert not server.host._staged

@@ -6,6 +6,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -247,6 +248,40 @@ async def test_host_tier_refuses_what_the_budget_cannot_fit_and_keeps_the_old_co
     assert not await tier.put(c)
     assert await tier.get(c.key) is None
     assert (await tier.get(a.key)).payload == a.payload  # type: ignore[union-attr]
+    assert tier.usage().resident_bytes == tier.pools.held_bytes == tier.usage().budget_bytes
+
+
+async def test_host_tier_put_takes_the_pages_a_payload_was_staged_in() -> None:
+    """`stage` copies a payload into pages reserved at once; the put of a record with that very
+    payload object (another header: a server re-stamps the tenant) takes them, already written,
+    and usage is exact throughout; pages no put took go back with `unstage`; a budget without
+    room stages nothing; `occupancy` leaves staged pages out (the store counts them at the put)."""
+    page = 1024
+    tier = HostTier(3 * (page + record_overhead_bytes(1)), {KV: page}, slab_bytes=page)
+    old = make_rec(KV, page, 1)
+    assert await tier.put(old)
+    payload = bytearray(b"n" * page)
+    new = Record(old.header, payload)  # a new version of the same key
+    resident = tier.usage().resident_bytes
+    assert tier.stage(new) and not tier.stage(new)  # (staged once)
+    assert tier.usage().resident_bytes == resident + tier.footprint(new)  # held, and reported as held
+    assert tier.occupancy()[1] == resident  # but not counted twice by a store about to put it
+    payload[:] = b"x" * page  # what was staged is what the put stores: it was copied at staging
+    restamped = Record(replace(old.header, tenant_id=b"u" * 16), payload, xxhash.xxh3_64_intdigest(b"n" * page))
+    assert await tier.put(restamped)
+    got = await tier.get(old.key)
+    assert got is not None and got.payload == b"n" * page and got.header.tenant_id == b"u" * 16
+    assert tier.usage().resident_bytes == resident == tier.occupancy()[1]  # the old copy's pages were freed
+    assert tier.usage().resident_bytes + tier.pools.free_page_bytes == tier.pools.held_bytes
+
+    spare = make_rec(KV, page, 2)
+    assert tier.stage(spare)
+    tier.unstage(spare.payload)
+    tier.unstage(spare.payload)  # (a second time: nothing)
+    assert tier.usage().resident_bytes == resident and await tier.get(spare.key) is None
+    fill = [make_rec(KV, page, 3), make_rec(KV, page, 4)]
+    assert await tier.put(fill[0]) and await tier.put(fill[1])
+    assert not tier.stage(make_rec(KV, page, 5))  # the budget is full: nothing staged, nothing held
     assert tier.usage().resident_bytes == tier.pools.held_bytes == tier.usage().budget_bytes
 
 
