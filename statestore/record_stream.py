@@ -127,13 +127,21 @@ class Stager:
         self._ssd, self._stack, self._host = ssd, stack, host
         self._num_staged = 0
         self._deferred: list[Any] = []  # staged buffers whose fill was left to the SSD tier's write
+        self._in_host: list[Any] = []  # payloads staged in host pages (`stage_in_host`)
 
     def stage_in_host(self, record: Record) -> None:
         """Copy a verified MEMORY record into host-tier pages now (`HostTier.stage`), while the
         rest of the stream still comes in: its put after the stream then takes them without a
         copy. Pages no put took go back when the call ends (a later record refused, a failure)."""
         if self._host is not None and self._host.stage(record):
-            self._stack.callback(self._host.unstage, record.payload)
+            if not self._in_host:  # one callback per call, not per record
+                self._stack.callback(self._unstage_in_host)
+            self._in_host.append(record.payload)
+
+    def _unstage_in_host(self) -> None:
+        for payload in self._in_host:
+            self._host.unstage(payload)
+        self._in_host.clear()
 
     def settle(self) -> None:
         """After the call's puts: a deferred fill that no write consumed means nothing was
