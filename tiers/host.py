@@ -36,6 +36,7 @@ class _Staged:
     kind: int
     alloc: Allocation
     footprint: int
+    checksum: int  # of the bytes staged: what the header stores, whatever the payload holds later
 
 
 class HostTier(Tier):
@@ -80,7 +81,7 @@ class HostTier(Tier):
             self._pools.release(staged.alloc)
             staged = None
         if staged is not None:
-            alloc, checksum = staged.alloc, record.payload_sum()
+            alloc, checksum = staged.alloc, staged.checksum
         else:
             alloc = self._pools.reserve(record.header.kind, len(record.payload))
             if alloc is None:
@@ -109,9 +110,9 @@ class HostTier(Tier):
         alloc = self._pools.reserve(record.header.kind, len(payload))
         if alloc is None:
             return False
-        self._write_payload(alloc, record)
+        checksum = self._write_payload(alloc, record)
         footprint = self.footprint(record)
-        self._staged[id(payload)] = _Staged(payload, record.header.kind, alloc, footprint)
+        self._staged[id(payload)] = _Staged(payload, record.header.kind, alloc, footprint, checksum)
         self._staged_bytes += footprint
         return True
 
