@@ -48,3 +48,9 @@ def test_restart_found_is_the_fewest_any_round_found() -> None:
             {**row("b", 0, 1.0, 1.0), "restart_found": None}]
     by_path = {r["path"]: r for r in median_rows(rows)}
     assert by_path["a"]["restart_found"] == 0 and by_path["b"]["restart_found"] is None
+
+
+def test_misses_are_counted_over_the_rounds_apart_from_wrong_bytes() -> None:
+    rows = [{**row("a", 0, 1.0, 1.0), "misses": 2}, {**row("a", 1, 1.0, 1.0), "misses": 1}]
+    (merged,) = median_rows(rows)
+    assert merged["misses"] == 3 and merged["bit_exact"] is True
