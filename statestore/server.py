@@ -9,6 +9,8 @@ in `statestore.rpc`); the server keeps serving whatever a call raised.
 Nothing is stored before the whole request is verified: a PutRecords stream is reassembled
 (`statestore.record_stream`) and every record's checksums, key, kind, model and tenant are
 checked before the first put, so a malformed or interrupted stream leaves stored state unchanged.
+(What may happen earlier is invisible: a verified MEMORY record is copied into host pages while
+the stream still comes in, `HostTier.stage`, and those pages go back if the call ends unstored.)
 """
 
 from __future__ import annotations
