@@ -734,8 +734,10 @@ class StateStoreServer:
         return port
 
     async def _watch_tiers(self) -> None:
-        """Probe the tiers that are down once per `TIER_PROBE_S`: a Redis that came back is
-        healthy again within a probe (and its retry pacing), whether or not traffic reaches for it."""
+        """Once per `TIER_PROBE_S`: probe the tiers that are down (a Redis that came back is
+        healthy again within a probe and its retry pacing, whether or not traffic reaches for
+        it), and drop the shared-memory regions of clients that are gone (`ShmAttachments`),
+        whose pages the server's mapping would otherwise keep until another client attaches."""
         while True:
             await asyncio.sleep(TIER_PROBE_S)
             try:
@@ -743,6 +745,8 @@ class StateStoreServer:
                     logger.debug("tier %s probed: %s", name.value, "healthy" if healthy else "still down")
             except Exception:  # noqa: BLE001 - a background loop: a failed probe must not end the probing
                 logger.warning("probing the tiers that are down failed; trying again", exc_info=True)
+            if dropped := self.shm.drop_stale():
+                logger.debug("dropped %d shared-memory region(s) of clients that are gone", dropped)
 
     async def _close_layers(self) -> None:
         if self._watch is not None:

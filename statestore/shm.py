@@ -166,8 +166,8 @@ class LentSpan:
 
 class ShmAttachments:
     """The regions a server has mapped, by name: at most `max_regions`, least recently used
-    dropped first, and a region whose name no longer resolves to the same memfd (its client
-    closed it or exited) dropped when the next region is attached."""
+    dropped first, and a region whose name no longer resolves to the same memory (its client
+    closed it or exited) dropped when the next region is attached or `drop_stale` runs."""
 
     def __init__(self, max_regions: int = 64) -> None:
         if max_regions < 1:
@@ -264,7 +264,7 @@ class ShmAttachments:
         and keep it, dropping stale ones and, beyond `max_regions`, the least recently used."""
         self._regions.pop(name, None)
         mapped = open_region()
-        self._drop_stale()
+        self.drop_stale()
         while len(self._regions) >= self.max_regions:
             self._regions.popitem(last=False)
         self._regions[name] = mapped
@@ -292,7 +292,12 @@ class ShmAttachments:
             raise ShmUnavailable("shm: region magic or secret does not match")
         return _Mapped((st.st_dev, st.st_ino), window.secret, st.st_size, buf)
 
-    def _drop_stale(self) -> None:
+    def drop_stale(self) -> int:
+        """Drop the regions whose name no longer leads to the memory mapped (the client closed it
+        or exited); returns how many. A client's lent memory is its own buffer (LMCache's, GBs):
+        held here, its pages would outlive the client. The server calls this once a second, and
+        every attach does."""
+        dropped = 0
         for name in list(self._regions):
             try:
                 st = os.stat(name)
@@ -301,6 +306,8 @@ class ShmAttachments:
                 alive = False
             if not alive:
                 del self._regions[name]  # unmapped once no call still holds a view of it
+                dropped += 1
+        return dropped
 
     def close(self) -> None:
         self._regions.clear()

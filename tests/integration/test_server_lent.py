@@ -7,6 +7,7 @@ a client whose lent memory is refused goes on copying through the window."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import mmap
 import os
@@ -222,8 +223,9 @@ async def test_a_stream_of_lent_local_records_is_written_as_copied_and_stays_all
 
 
 async def test_a_closed_client_keeps_no_descriptor_of_lent_memory(server: StateStoreServer, lent: LentFile) -> None:
-    """Closing the client closes its descriptor of the lent file: the owner of that memory (LMCache
-    unlinks its buffer when it closes) gets its pages back, instead of a deleted file held open."""
+    """Closing the client closes its descriptor of the lent file, and the server soon unmaps it: the
+    owner of that memory (LMCache unlinks its buffer when it closes) gets its pages back, instead of
+    a deleted file held open or mapped."""
     def holders() -> list[str]:
         return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == lent.path]
 
@@ -234,7 +236,15 @@ async def test_a_closed_client_keeps_no_descriptor_of_lent_memory(server: StateS
         await c.put_payloads([lent_item(fingerprint, "closing", lent.span(0, body))], Durability.MEMORY)
         assert c.lent_active
         held = holders()  # the client's, and the mappings' of the test and of the server (mmap keeps a dup)
+        assert len(server.shm) == 2  # the client's window and its lent memory, mapped by the server
     assert len(holders()) == len(held) - 1 and set(holders()) < set(held)
+    # The server lets go of both within a second or so (it checks once per TIER_PROBE_S), though
+    # no other client attaches anything: the lent pages would otherwise outlive the client.
+    for _ in range(50):
+        if not len(server.shm):
+            break
+        await asyncio.sleep(0.1)
+    assert len(server.shm) == 0 and len(holders()) == len(held) - 2
 
 
 async def test_a_client_whose_lent_memory_is_refused_copies_through_the_window(server: StateStoreServer,
