@@ -676,8 +676,7 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
     payload was delivered and its hash is the header's."""
     want = file_bytes + 1
     view = buf[: _fs.round_up(want, _fs.ALIGN)]
-    hasher = None
-    checksum = 0
+    delivery = _Delivery(target, file_bytes)
     pending: Future[None] | None = None
     got = 0
     try:
@@ -685,24 +684,52 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
             hi = min(len(view), lo + READ_PIECE_BYTES)
             got = lo + _fs.read_range(fd, view, lo, hi)
             if lo == 0:
-                checksum = _delivery_header(view[:got], file_bytes, target)
-                hasher = xxhash.xxh3_64() if checksum is not None else None
-            if hasher is not None:
+                delivery.first(view[:got])
+            span = delivery.span(lo, got)
+            if span is not None:
                 if pending is not None:
                     pending.result()
-                start, stop = max(lo, HEADER_SIZE), min(got, file_bytes)
-                if stop > start:
-                    pending = helpers.submit(copy_scattered, target.dests, start - HEADER_SIZE, view[start:stop],
-                                             hasher)
+                pending = helpers.submit(delivery.copy, view, *span)
             if got < hi:
                 break
     finally:
         if pending is not None:
             pending.result()
-    data = view[: min(got, want)]
-    if hasher is not None and got == file_bytes and hasher.intdigest() == checksum:
-        target.filled = True
-    return data, checksum or 0
+    delivery.finish(got)
+    return view[: min(got, want)], delivery.checksum
+
+
+class _Delivery:
+    """What both delivering reads (`_read_delivering` on a thread, `SSDTier._read_into_on_loop`
+    on the event loop) decide alike: whether the record's header, seen in the first piece,
+    allows delivering it into the target; which bytes of each piece go there, hashed as they are
+    copied; and whether the whole payload arrived with the header's checksum (`finish`)."""
+
+    __slots__ = ("target", "file_bytes", "checksum", "hasher")
+
+    def __init__(self, target: ReadTarget, file_bytes: int) -> None:
+        self.target, self.file_bytes = target, file_bytes
+        self.checksum = 0
+        self.hasher: Any = None  # set once the header allows delivering
+
+    def first(self, head: memoryview) -> None:
+        checksum = _delivery_header(head, self.file_bytes, self.target)
+        if checksum is not None:
+            self.checksum, self.hasher = checksum, xxhash.xxh3_64()
+
+    def span(self, lo: int, got: int) -> tuple[int, int] | None:
+        """The file bytes [start, stop) of the piece read from `lo` up to `got` that go into the
+        target, or None (nothing of it, or no delivery)."""
+        start, stop = max(lo, HEADER_SIZE), min(got, self.file_bytes)
+        return (start, stop) if self.hasher is not None and stop > start else None
+
+    def copy(self, view: memoryview, start: int, stop: int) -> None:
+        """Copy file bytes [start, stop) of `view` into the target, hashing them (in order)."""
+        copy_scattered(self.target.dests, start - HEADER_SIZE, view[start:stop], self.hasher)
+
+    def finish(self, got: int) -> None:
+        if self.hasher is not None and got == self.file_bytes and self.hasher.intdigest() == self.checksum:
+            self.target.filled = True
 
 
 def _delivery_header(head: memoryview, file_bytes: int, target: ReadTarget) -> int | None:
@@ -1410,12 +1437,13 @@ class SSDTier(Tier):
             return _ReadResult(None, error=exc)
         loop = asyncio.get_running_loop()
         file_bytes = entry.file_bytes
-        view = self._buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN))[: _fs.round_up(file_bytes + 1, _fs.ALIGN)]
+        size = _fs.round_up(file_bytes + 1, _fs.ALIGN)
+        view = self._buffers.lend(size)[:size]
         pieces = iter(range(0, len(view), READ_PIECE_BYTES))
         reads: collections.deque[_PieceRead] = collections.deque()
         copying: asyncio.Future[None] | None = None
-        hasher: Any = None
-        checksum, got = 0, 0
+        delivery = _Delivery(target, file_bytes)
+        got = 0
 
         def on_thread(lo: int, hi: int) -> _PieceRead:
             return _PieceRead(lo, hi, None, helpers.submit(_fs.read_range, fd, view, lo, hi))
@@ -1445,14 +1473,12 @@ class SSDTier(Tier):
                 if got == hi:  # (fewer: the end of the file, which a short file reaches early)
                     read_next()
                 if lo == 0:
-                    checksum = _delivery_header(view[:got], file_bytes, target)
-                    hasher = xxhash.xxh3_64() if checksum is not None else None
-                start, stop = max(lo, HEADER_SIZE), min(got, file_bytes)
-                if hasher is not None and stop > start:
+                    delivery.first(view[:got])
+                span = delivery.span(lo, got)
+                if span is not None:
                     if copying is not None:
                         await copying
-                    copying = loop.run_in_executor(helpers, copy_scattered, target.dests, start - HEADER_SIZE,
-                                                   view[start:stop], hasher)
+                    copying = loop.run_in_executor(helpers, delivery.copy, view, *span)
                 if got < hi:
                     break
             if copying is not None:
@@ -1464,10 +1490,10 @@ class SSDTier(Tier):
         if got < file_bytes:
             return None  # fewer bytes than the index knows: the thread path reads it again and judges it
         data = view[: min(got, file_bytes + 1)]
-        if hasher is not None and got == file_bytes and hasher.intdigest() == checksum:
-            target.filled = True
+        delivery.finish(got)
+        if target.filled:
             header, _ = decode_header(data[:HEADER_SIZE])
-            return _ReadResult(Record(header, data[HEADER_SIZE:].toreadonly(), checksum))
+            return _ReadResult(Record(header, data[HEADER_SIZE:].toreadonly(), delivery.checksum))
         try:  # not delivered (a header the target does not match, a bad record): verified as a plain get
             return _ReadResult(await loop.run_in_executor(
                 helpers, functools.partial(decode_record, data, expect_key=key, keep_view=True)))
