@@ -699,7 +699,7 @@ class StateStoreServer:
                 await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if c.metrics_port:
                 self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
-            self._watch = asyncio.create_task(self._watch_tiers(), name="statestore-tier-probe")
+            self._watch = asyncio.create_task(self._housekeeping(), name="statestore-housekeeping")
         except BaseException:
             self._server = None
             await server.stop(0)
@@ -733,7 +733,7 @@ class StateStoreServer:
             raise OSError(f"cannot bind {c.listen}")
         return port
 
-    async def _watch_tiers(self) -> None:
+    async def _housekeeping(self) -> None:
         """Once per `TIER_PROBE_S`: probe the tiers that are down (a Redis that came back is
         healthy again within a probe and its retry pacing, whether or not traffic reaches for
         it), and drop the shared-memory regions of clients that are gone (`ShmAttachments`),
