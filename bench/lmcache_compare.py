@@ -325,10 +325,10 @@ def run_local(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tens
         t.check(obj, payload)
         return took
 
-    t.measure(make_keys(len(payloads), salt), payloads, put, get, warm_up_key=make_keys(1, salt + 1000)[0])
+    _, keys = t.measure(make_keys(len(payloads), salt), payloads, put, get, warm_up_key=make_keys(1, salt + 1000)[0])
     if request:
         t.measure_request(manager, model, location, payloads, salt + 2000, release=False)
-    return t, make_keys(len(payloads), salt)
+    return t, keys
 
 
 def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Tensor], location: str, salt: int,
@@ -354,10 +354,11 @@ def run_remote(manager: Any, model: dict[str, Any], payloads: Sequence[torch.Ten
         if before_get is not None:
             before_get(keys)
 
-    t.measure(make_keys(len(payloads), salt), payloads, put, get, between, warm_up_key=make_keys(1, salt + 1000)[0])
+    _, keys = t.measure(make_keys(len(payloads), salt), payloads, put, get, between,
+                        warm_up_key=make_keys(1, salt + 1000)[0])
     if request:
         t.measure_request(manager, model, location, payloads, salt + 2000, release=True, between=between)
-    return t, make_keys(len(payloads), salt)
+    return t, keys
 
 
 def cpu_bytes_for(model: dict[str, Any], num_chunks: int) -> int:
@@ -731,12 +732,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nRatios per round (the floor is their median):")
         for label, values in ratios.items():
             print(f"  {label}: " + " ".join(f"{v:.2f}" for v in values))
-    print("\nEvery chunk as one request, LMCache's batched calls (no floor; median of the rounds' ratios):")
-    for label, values in request.items():
-        print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
-    print("\nFull caches, every put evicting (no floor; median of the rounds' ratios):")
-    for label, values in full.items():
-        print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
+    for title, ratios_of in (("Every chunk as one request, LMCache's batched calls", request),
+                             ("Full caches, every put evicting", full)):
+        print(f"\n{title} (no floor; median of the rounds' ratios):")
+        for label, values in ratios_of.items():
+            print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
     print_floors(floors)
     from importlib import metadata
 
