@@ -514,6 +514,40 @@ async def test_new_keys_claim_spares_and_the_pool_refills_in_the_background(tmp_
         await tier.aclose()
 
 
+async def test_a_spare_put_makes_its_directory_without_syncing_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new key written through a spare creates its directory with no directory fsync (the
+    record is durable in the spare; the scan moves it back if the rename is lost); a put that
+    writes under the final name in that directory later fsyncs it into its top first. Both
+    records are served again after a restart."""
+    tier = await refilled(await SSDTier.create(tmp_path / "ssd", spare_files=8))
+    root = tier._layout.root
+    synced: list[Path] = []
+    real = _fs.fsync_dir
+
+    def spy(path: Path | str) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(_fs, "fsync_dir", spy)
+    first = rec(0, 5000)
+    newer = make_record(1, 1, b"v2" * 3000, model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
+                        block_key=first.header.block_key)
+    try:
+        assert await tier.put(first)
+        directory = record_path(root, first).parent
+        assert directory.is_dir() and synced == []  # one claim of eight: no refill either
+        assert await tier.put(newer)  # the key is held: temp file, rename, directory fsync
+        assert synced.index(directory.parent) < synced.index(directory)
+    finally:
+        await tier.aclose()
+    tier = await SSDTier.create(root, spare_files=8)
+    try:
+        assert_same(await tier.get(first.key), newer)
+    finally:
+        await tier.aclose()
+
+
 async def test_the_pool_grows_while_bursts_drain_it(tmp_path: Path) -> None:
     """It starts small (a tier that sees few new keys keeps few spares) and doubles, up to
     spare_files, each time claims bring it down to a quarter; a put that finds it empty
