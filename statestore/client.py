@@ -262,6 +262,12 @@ class StateStoreClient:
         self._put = self._channel.stream_unary(
             "/statestore.v1.StateStore/PutRecords", request_serializer=_serialize_chunk,
             response_deserializer=statestore_pb2.PutRecordsResponse.FromString)
+        # A PutRecords stream of one message (a shared-memory put of one record) sent as a unary
+        # call: the same bytes on the wire (one message, then the half-close), without the task
+        # grpc.aio runs to drain a request iterator (~0.4 ms a call on the development VM).
+        self._put_one = self._channel.unary_unary(
+            "/statestore.v1.StateStore/PutRecords", request_serializer=_serialize_chunk,
+            response_deserializer=statestore_pb2.PutRecordsResponse.FromString)
         self._get = self._channel.unary_stream(
             "/statestore.v1.StateStore/GetRecords", request_serializer=statestore_pb2.GetRecordsRequest.SerializeToString,
             response_deserializer=None)
@@ -393,7 +399,7 @@ class StateStoreClient:
                 raise RuntimeError("StateStoreClient: open() it first")
             o = self.options
             self._transport = PayloadTransport(self._put, self._get, _get_request, _FRAMES, self._metadata,
-                                               o.timeout_s, o.chunk_bytes, o.shm_bytes)
+                                               o.timeout_s, o.chunk_bytes, o.shm_bytes, put_one=self._put_one)
         return self._transport
 
     @property

@@ -291,6 +291,7 @@ class PayloadTransport:
     Args:
         put_call / get_call: the channel's raw PutRecords (stream-unary, bytes in) and GetRecords
             (unary-stream, bytes out) multi-callables.
+        put_one: PutRecords as a unary multi-callable (bytes in), for a stream of one message.
         codec: builds and reads the non-data messages.
         metadata: the call credentials.
         chunk_bytes: data bytes per gRPC frame.
@@ -299,8 +300,9 @@ class PayloadTransport:
 
     def __init__(self, put_call: Any, get_call: Any, make_get_request: Callable[[Sequence[bytes], int], Any],
                  codec: FrameCodec, metadata: tuple[tuple[str, str], ...], timeout_s: float | None,
-                 chunk_bytes: int, shm_bytes: int = 0) -> None:
+                 chunk_bytes: int, shm_bytes: int = 0, put_one: Any = None) -> None:
         self._put, self._get, self._request = put_call, get_call, make_get_request
+        self._put_one = put_one
         self._codec, self._metadata, self._timeout = codec, metadata, timeout_s
         self._step = chunk_bytes
         self._shm_bytes = shm_bytes
@@ -427,6 +429,8 @@ class PayloadTransport:
             starts.append(self._codec.start_frame(item.header.key, item.total_bytes, durability, pin,
                                                   *((span.offset, len(span.view), by_server) if span else ())))
         metadata = (*self._metadata, window.to_metadata(), *((lent.to_metadata(),) if lent is not None else ()))
+        if len(starts) == 1 and self._put_one is not None:
+            return await self._put_one(starts[0], metadata=metadata, timeout=self._timeout)
         return await self._put(iter(starts), metadata=metadata, timeout=self._timeout)
 
     # ----- get -----------------------------------------------------------------------------

@@ -113,6 +113,38 @@ async def test_payloads_round_trip_through_either_path(server: StateStoreServer,
                                     model_fingerprint=fingerprint) == len(items)
 
 
+async def test_a_one_record_window_put_is_one_unary_call_and_a_batch_streams(server: StateStoreServer) -> None:
+    """Through the window a put of one record is one message: it goes as a unary call on the
+    PutRecords method (the same bytes on the wire), a put of several as a stream; the server
+    stores both alike, and a refused one-message put still names what was wrong."""
+    async with client(server, SHM_BYTES) as c:
+        fingerprint = await register(c)
+        transport = c._payloads()
+        calls: list[str] = []
+        unary, stream = transport._put_one, transport._put
+
+        def spy(name: str, call):  # delegates: records which multi-callable carried the put
+            def wrapped(*args, **kwargs):
+                calls.append(name)
+                return call(*args, **kwargs)
+            return wrapped
+
+        transport._put_one, transport._put = spy("unary", unary), spy("stream", stream)
+        one = item(fingerprint, "one", 5000)
+        several = [item(fingerprint, f"several-{i}", 3000) for i in range(3)]
+        assert [i.key for i in await c.put_payloads([one], Durability.MEMORY)] == [one.header.key]
+        assert [i.key for i in await c.put_payloads(several, Durability.LOCAL)] == [i.header.key for i in several]
+        assert c.shm_active and calls == ["unary", "stream"]
+        records = await c.get_records([one.header.key] + [i.header.key for i in several])
+        assert [r.payload if r else None for r in records] == [b"".join(bytes(p) for p in i.parts)
+                                                               for i in [one] + several]
+        stranger = item(b"\x09" * 16, "unregistered", 100)
+        with pytest.raises(ServiceError) as refused:
+            await c.put_payloads([stranger], Durability.MEMORY)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "RegisterModel" in refused.value.message
+        assert calls == ["unary", "stream", "unary"]
+
+
 async def test_local_payload_put_survives_a_restart(tmp_path: Path) -> None:
     srv = StateStoreServer(config(tmp_path))
     await srv.start()
