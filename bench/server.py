@@ -205,6 +205,8 @@ class Servers:
     ours_port: int
     echo_port: int
     fingerprint: bytes
+    ours_pid: int = 0  # the processes serving them (this one in the in-process shape), for CPU readings
+    echo_pid: int = 0
 
 
 async def serve_echo(sizes: list[int], total_bytes: int) -> None:
@@ -237,7 +239,7 @@ async def sidecar_servers(sizes: list[int], total_bytes: int, tmp: Path) -> Asyn
     try:
         async with StateStoreClient(f"127.0.0.1:{ours_port}") as c:
             fingerprint = (await c.stats()).model_fingerprint
-        yield Servers(ours_port, echo_port, fingerprint)
+        yield Servers(ours_port, echo_port, fingerprint, ours.pid, echo.pid)
     finally:
         for proc in (echo, ours):
             proc.kill()
@@ -255,7 +257,7 @@ async def in_process_servers(sizes: list[int], total_bytes: int, tmp: Path) -> A
     echo, echo_port = await start_echo(echo_payloads(sizes, total_bytes))
     gc.freeze()  # as `statestore serve` does once it is up: start-up's objects leave the collector's walks
     try:
-        yield Servers(srv.port, echo_port, srv.adapter.model_fingerprint)
+        yield Servers(srv.port, echo_port, srv.adapter.model_fingerprint, os.getpid(), os.getpid())
     finally:
         await echo.stop(0)
         await srv.stop(0)
