@@ -331,6 +331,26 @@ async def timed(fn: Callable[[], Awaitable[Any]], repeats: int) -> float:
     return best
 
 
+async def put_calls(c: StateStoreClient, records: list[Record], batch: int) -> list[float]:
+    """Our side of a stream case: `records` put `batch` per PutRecords call (MEMORY); each call's seconds."""
+    took = []
+    for i in range(0, len(records), batch):
+        t0 = time.perf_counter()
+        await c.put_records(records[i:i + batch], Durability.MEMORY)
+        took.append(time.perf_counter() - t0)
+    return took
+
+
+async def echo_put_calls(ch: grpc.aio.Channel, payload: bytes, count: int, batch: int) -> list[float]:
+    """The echo's side: `count` records of `payload`, `batch` per call; each call's seconds."""
+    took = []
+    for i in range(0, count, batch):
+        t0 = time.perf_counter()
+        await echo_put(ch, payload, min(batch, count - i), CHUNK_BYTES)
+        took.append(time.perf_counter() - t0)
+    return took
+
+
 async def bench_stream(servers: Servers, size: int, total_bytes: int, repeats: int) -> dict[str, Any]:
     count = records_for(size, total_bytes)
     batch = max(1, min(count, (32 << 20) // size))  # records per call
@@ -338,8 +358,7 @@ async def bench_stream(servers: Servers, size: int, total_bytes: int, repeats: i
     options = ClientOptions(chunk_bytes=CHUNK_BYTES, max_message_bytes=MAX_MESSAGE_BYTES)
 
     async def put(c: StateStoreClient) -> None:
-        for i in range(0, count, batch):
-            await c.put_records(records[i:i + batch], Durability.MEMORY)
+        await put_calls(c, records, batch)
 
     async def get(c: StateStoreClient) -> None:
         keys = [r.key for r in records]
@@ -351,8 +370,7 @@ async def bench_stream(servers: Servers, size: int, total_bytes: int, repeats: i
     ch = channel(servers.echo_port)
 
     async def echo_puts() -> None:
-        for i in range(0, count, batch):
-            await echo_put(ch, payload, min(batch, count - i), CHUNK_BYTES)
+        await echo_put_calls(ch, payload, count, batch)
 
     async def echo_gets() -> None:
         for i in range(0, count, batch):

@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put, make_records, records_for,
-                          sidecar_servers)
+from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put_calls, make_records, put_calls,
+                          records_for, sidecar_servers)
 from statestore.client import ClientOptions, StateStoreClient
-from statestore.types import Durability
 
 TOTAL_BYTES = 64 << 20  # as bench.server: records of one size, 32 MiB per call
 
@@ -51,20 +50,13 @@ async def run(size: int, rounds: int) -> dict[str, float]:
             calls: dict[str, list[float]] = {"ours": [], "echo": []}
             async with StateStoreClient(f"127.0.0.1:{servers.ours_port}", options=options) as c:
                 async def ours() -> None:
-                    for i in range(0, count, batch):
-                        t0 = time.perf_counter()
-                        await c.put_records(records[i:i + batch], Durability.MEMORY)
-                        calls["ours"].append(time.perf_counter() - t0)
+                    calls["ours"] += await put_calls(c, records, batch)
 
                 async def echo() -> None:
-                    for i in range(0, count, batch):
-                        t0 = time.perf_counter()
-                        await echo_put(ch, records[0].payload, min(batch, count - i), CHUNK_BYTES)
-                        calls["echo"].append(time.perf_counter() - t0)
+                    calls["echo"] += await echo_put_calls(ch, records[0].payload, count, batch)
 
-                await ours()  # warm-up (the host tier maps its slabs), as bench.server does
-                await echo()
-                calls = {"ours": [], "echo": []}
+                await put_calls(c, records, batch)  # warm-up (the host tier maps its slabs), as bench.server does
+                await echo_put_calls(ch, records[0].payload, count, batch)
                 pids = {"client": os.getpid(), "server": servers.ours_pid, "echo": servers.echo_pid}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 started = time.perf_counter()
