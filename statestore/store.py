@@ -24,7 +24,7 @@ Invariants:
   always ask it;
 - an eviction never removes a copy that `policy.eviction_block_reason` protects, and a
   put never evicts anything unless the planned victims free enough room;
-- one put, promotion or explicit eviction at a time per key (`_KeyGate`).
+- one put, promotion or explicit eviction at a time per key (`tiers.locks.KeyLocks`).
 
 Nothing here blocks the event loop: the tiers do their I/O off it.
 """
@@ -37,7 +37,7 @@ import enum
 import heapq
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.base import Retention, StateSpec
@@ -62,6 +62,7 @@ from statestore.types import (
     TierStats,
 )
 from tiers.base import Tier
+from tiers.locks import KeyLocks
 from tiers.pools import Slice, page_bytes_for
 from tiers.record import HEADER_SIZE, Record, RecordHeader, RecordKey
 
@@ -193,47 +194,6 @@ class _TierCosts(Mapping[TierName, TierCost]):
         return len(self._tiers)
 
 
-class _KeyGate:
-    """One put / promotion / explicit eviction at a time per key; `claim` never waits.
-
-    A claimed key's event is made only when a second operation waits for it: almost every
-    claim is released uncontended, and an `asyncio.Event` per put was a measurable part of a
-    256 KiB put (bench/server.py)."""
-
-    def __init__(self) -> None:
-        self._busy: dict[RecordKey, asyncio.Event | None] = {}
-
-    def busy(self, key: RecordKey) -> bool:
-        return key in self._busy
-
-    def claim(self, key: RecordKey) -> bool:
-        if key in self._busy:
-            return False
-        self._busy[key] = None
-        return True
-
-    def release(self, key: RecordKey) -> None:
-        released = self._busy.pop(key)
-        if released is not None:
-            released.set()
-
-    async def acquire(self, key: RecordKey) -> None:
-        """Claim `key`, waiting while another operation holds it; pair with `release`."""
-        while not self.claim(key):
-            released = self._busy[key]
-            if released is None:
-                released = self._busy[key] = asyncio.Event()
-            await released.wait()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: RecordKey) -> AsyncIterator[None]:
-        await self.acquire(key)
-        try:
-            yield
-        finally:
-            self.release(key)
-
-
 @dataclass(slots=True)
 class _Counters:
     hits: int = 0
@@ -291,7 +251,7 @@ class TieredStore:
         self._clock = clock
         self._index: dict[RecordKey, StateMeta] = {}
         self._queues = {n: _EvictionQueue() for n in self._tiers}
-        self._gate = _KeyGate()
+        self._gate = KeyLocks()
         self._counters: dict[tuple[TierName, int], _Counters] = {}
         self._events: list[StoreEvent] = []
         # In-flight writes: bytes being written per tier (tiers do not count them in usage()),
@@ -547,7 +507,7 @@ class TieredStore:
         meta = self._index.get(key)
         if meta is None or name not in meta.tiers or eviction_block_reason(meta, name) is not None:
             return 0
-        if not self._gate.claim(key):
+        if not self._gate.try_acquire(key):
             return 0  # a put of this key started meanwhile
         try:
             nbytes = meta.resident_bytes(name)
@@ -657,7 +617,7 @@ class TieredStore:
         if record is None:  # no faster tier to promote into (`get_slices`): nothing to decide
             return
         targets = self._invoker.decide_promote(meta, source, costs) - meta.tiers
-        if not targets or not self._gate.claim(key):
+        if not targets or not self._gate.try_acquire(key):
             return
         op = _Op()
         try:

@@ -94,6 +94,7 @@ from tiers import _fs
 from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
 from tiers._hop import Workers
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
+from tiers.locks import KeyLocks
 from tiers.record import (
     HEADER_SIZE,
     RECORD_KEY_BYTES,
@@ -344,59 +345,6 @@ class _ScanGate:
             async with self._cond:
                 self._scanning = False
                 self._cond.notify_all()
-
-
-class _KeyLocks:
-    """Per-key mutual exclusion, FIFO; a key is in the table only while held.
-
-    `try_acquire`/`release` are the put's path: an uncontended key costs one dict insert
-    and one delete (no Lock object, no context manager); waiters queue as futures and the
-    releasing holder hands the key to the first of them.
-    """
-
-    def __init__(self) -> None:
-        self._held: dict[bytes, collections.deque[asyncio.Future[None]] | None] = {}  # key -> waiters
-
-    def try_acquire(self, key: bytes) -> bool:
-        if key in self._held:
-            return False
-        self._held[key] = None
-        return True
-
-    async def acquire(self, key: bytes) -> None:
-        if self.try_acquire(key):
-            return
-        waiters = self._held[key]
-        if waiters is None:
-            waiters = self._held[key] = collections.deque()
-        fut = asyncio.get_running_loop().create_future()
-        waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed the key just as it was cancelled
-                self.release(key)
-            else:
-                with contextlib.suppress(ValueError):  # a release may have dropped it already
-                    waiters.remove(fut)
-            raise
-
-    def release(self, key: bytes) -> None:
-        waiters = self._held[key]
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the key passes to this waiter, still held
-                return
-        del self._held[key]
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: bytes) -> AsyncIterator[None]:
-        await self.acquire(key)
-        try:
-            yield
-        finally:
-            self.release(key)
 
 
 @dataclass(slots=True)
@@ -973,7 +921,7 @@ class SSDTier(Tier):
         self._last_put_s = 0.0  # loop.time() when the last one ended
         self._closing = False
         self._gate = _ScanGate()
-        self._locks = _KeyLocks()
+        self._locks = KeyLocks()
         self._lock_fd: int | None = None
         self._workers: Workers | None = None
         self._helpers: ThreadPoolExecutor | None = None  # directory fsyncs, spare refills, get deliveries

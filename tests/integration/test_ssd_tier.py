@@ -26,7 +26,7 @@ from tests.proc import freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, encode_record, make_record
 from tiers import _fs
-from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SMALL_LEND_MIN_BYTES, SSDTier, _KeyLocks
+from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SMALL_LEND_MIN_BYTES, SSDTier
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
 
@@ -415,38 +415,6 @@ async def test_scan_waits_for_puts_in_flight(tier: SSDTier) -> None:
     assert await puts == [True] * 6
     assert result.discarded == []  # no in-flight temp file was mistaken for a leftover
     assert await tier.contains([r.key for r in records]) == [True] * 6
-
-
-async def test_key_locks_hand_over_in_order_and_survive_a_cancelled_waiter() -> None:
-    """The per-key locks the put path takes without a Lock object: FIFO hand-over, a
-    cancelled waiter drops out, and the table forgets a key once nobody holds it."""
-    locks, order = _KeyLocks(), []
-    assert locks.try_acquire(b"k") and not locks.try_acquire(b"k")
-
-    async def take(name: str) -> None:
-        async with locks.hold(b"k"):
-            order.append(name)
-            await asyncio.sleep(0)
-
-    first, gone, last = (asyncio.create_task(take(n)) for n in ("first", "gone", "last"))
-    await asyncio.sleep(0)
-    gone.cancel()
-    await asyncio.sleep(0)
-    locks.release(b"k")
-    await asyncio.gather(first, last)
-    assert order == ["first", "last"] and gone.cancelled()
-    assert locks.try_acquire(b"k")  # forgotten, then free again
-    locks.release(b"k")
-    assert locks._held == {}
-    # A waiter cancelled after the holder released past it (its future skipped as done).
-    assert locks.try_acquire(b"k")
-    late = asyncio.create_task(locks.acquire(b"k"))
-    await asyncio.sleep(0)
-    late.cancel()
-    locks.release(b"k")  # pops the cancelled future, skips it, forgets the key
-    with pytest.raises(asyncio.CancelledError):
-        await late
-    assert locks._held == {}
 
 
 async def test_spare_refill_waits_for_the_puts_to_pause(tmp_path: Path) -> None:
