@@ -3,6 +3,7 @@
     statestore serve [--listen HOST:PORT] [--data-dir DIR] [--config FILE]   run the service
     statestore demo [--engine-only]                                          the README's main job
     statestore ls | inspect | stats | pin | unpin | evict | resume           talk to a running server
+    statestore calibrate | bench [NAME]                                      measure this machine
 
 Client commands find the server with `--target` (env STATESTORE_TARGET, default
 127.0.0.1:7450) and authenticate with `--token` (env STATESTORE_TOKEN). They print human
@@ -348,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = sub.add_parser("calibrate", help="measure engine and tier costs; write the profile the cost policy loads")
     calibrate_module.add_arguments(calibrate)
     calibrate.set_defaults(func=calibrate_module.run)
+
+    from statestore import bench_cli  # reads bench/ of the checkout; runs a benchmark as a child process
+
+    bench = sub.add_parser("bench", help="list or run the benchmarks of the source checkout (bench/)")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(func=bench_cli.run)
 
     resume = sub.add_parser("resume", help="resume a checkpointed session, optionally generate")
     resume.add_argument("session_id")
