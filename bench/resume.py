@@ -37,6 +37,7 @@ import torch
 from bench.common import Floor, print_floors, print_table, write_results
 from engine_adapter.ced import CEDEngine, get_preset
 from engine_adapter.ced.adapter import CEDAdapter
+from replay.quality import logits_divergence
 from statestore.sessions import ResumeReport, SessionConfig, SessionManager
 from statestore.store import TieredStore
 from tiers.host import HostTier
@@ -115,10 +116,8 @@ async def best_rings_resume(root: Path, adapter: CEDAdapter, repeats: int) -> tu
 
 
 def divergence(ref: torch.Tensor, other: torch.Tensor) -> dict[str, Any]:
-    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(other.double(), -1)
-    return {"max_dlogit_vs_exact": float((ref.double() - other.double()).abs().max()),
-            "top1_vs_exact": int(ref.argmax()) == int(other.argmax()),
-            "kl_vs_exact": float((p.exp() * (p - q)).sum())}
+    d = logits_divergence(ref, other)
+    return {"max_dlogit_vs_exact": d.max_abs_dlogit, "top1_vs_exact": d.top1_same, "kl_vs_exact": d.kl}
 
 
 async def measure_length(engine: CEDEngine, num_tokens: int, repeats: int) -> list[dict[str, Any]]:
