@@ -1,6 +1,7 @@
 """How close a replayed state comes to the one it stands for, by its next-token logits.
 
-`exact` replay rebuilds the sliding-window state bit for bit; `bounded` replays fewer rows and
+`exact` replay recomputes every row the sliding windows need (the same state up to float
+rounding: its matmuls have other shapes than the prefill's); `bounded` replays fewer rows and
 approximates it. What a user of the state sees of the difference is the next-token
 distribution, so that is what is compared: top-1 agreement, KL divergence and the largest
 logit difference.
