@@ -36,6 +36,11 @@ a warm-up request of the same size):
   took ~2x as long on the development VM (4 KiB shmem pages split each request);
 - `ref: ssd-tier-alone`: statestore's SSD tier in the bench process, the same bytes as records
   (no LMCache, plugin, RPC or shared memory): the ceiling of the SSD path on this machine;
+- `ref: odirect+fdatasync`: plain file I/O of the same bytes, a new file per chunk written with
+  O_DIRECT from an aligned buffer and fdatasynced (O_DIRECT reads back): the least any durable
+  put costs on this disk. LMCache's O_DIRECT backend is this without the flush, so the ratios
+  against it (`durable_put_ratios_by_round`, printed) split the SSD put floor's gap into what
+  statestore adds and what durability adds;
 - `lmcache-disk-odirect-full` / `statestore-ssd-full`: the two as full caches, the steady state
   of a cache in service. Each budget holds the warm-up and measured chunks and is filled with as
   many other chunks first (untimed), so every timed put evicts one: LMCache removes the file of
@@ -564,6 +569,52 @@ def run_ssd_tier_alone(name: str, num_chunks: int, work: Path) -> dict[str, Any]
     return t.row(name, "ref: ssd-tier-alone", len(records[0].payload), durable="fdatasync", restart_found=None)
 
 
+def run_durable_plain(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
+    """Reference for what durability costs on this disk: plain file I/O of the same chunk bytes,
+    each put a new file written with O_DIRECT from an aligned huge-page buffer (as LMCache's
+    backend writes) and then fdatasynced, which LMCache's backend never does; each get an
+    O_DIRECT read into a buffer of the same kind. No header, checksum, index, RPC or copy: the
+    least a durable put of a chunk costs here, which puts the SSD floor's gap between what
+    statestore adds and what the flush adds."""
+    from tiers._fs import ALIGN, map_io_buffer, round_up
+
+    payloads = make_payloads(MODELS[name], num_chunks)
+    nbytes = payloads[0].numel() * 2
+    padded = round_up(nbytes, ALIGN)
+    src, dst = map_io_buffer(padded), map_io_buffer(padded)
+    folder = work / f"durable-plain-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    t = Timings()
+
+    def put(i: int, payload: torch.Tensor) -> float:
+        src[:nbytes] = payload.view(torch.uint8).numpy().tobytes()  # untimed, as LMCache's `fill`
+        t0 = time.perf_counter()
+        fd = os.open(folder / f"{i}.chunk", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            os.pwritev(fd, [src[:padded]], 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    def get(i: int, payload: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        fd = os.open(folder / f"{i}.chunk", os.O_RDONLY | os.O_DIRECT)
+        try:
+            got = os.preadv(fd, [dst[:padded]], 0)
+        finally:
+            os.close(fd)
+        took = time.perf_counter() - t0
+        t.exact = t.exact and got >= nbytes and bytes(dst[:nbytes]) == payload.view(torch.uint8).numpy().tobytes()
+        return took
+
+    t.first_s = (put(-1, payloads[0]), get(-1, payloads[0]))  # as Timings.measure: outside the figures
+    t.put_s = [put(i, p) for i, p in enumerate(payloads)]
+    t.get_s = [get(i, p) for i, p in enumerate(payloads)]
+    shutil.rmtree(folder, ignore_errors=True)
+    return t.row(name, "ref: odirect+fdatasync", nbytes, durable="fdatasync", restart_found=None)
+
+
 def drop_redis_keys(pattern: str) -> int:
     """Delete this bench's keys from the local Redis."""
     import redis
@@ -626,7 +677,8 @@ def run_rounds(name: str, num_chunks: int, work: Path, rounds: int, only: Sequen
         rows = run_statestore_paths(name, num_chunks, work, redis_prefix=f"bench-{os.getpid()}-{name}", only=only)
         if not only or "statestore-ssd-full" in only:
             rows.append(run_statestore_full(name, num_chunks, work))
-        return rows if only else rows + [run_ssd_tier_alone(name, num_chunks, work)]
+        return rows if only else rows + [run_ssd_tier_alone(name, num_chunks, work),
+                                         run_durable_plain(name, num_chunks, work)]
 
     out: list[dict[str, Any]] = []
     for r in range(rounds):
@@ -741,12 +793,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     full = {f"{name}_statestore-ssd-full_{op}_vs_lmcache-disk-odirect-full":
             round_ratios(rows, name, "statestore-ssd-full", "lmcache-disk-odirect-full", op)
             for name in models for op in ("put", "get")}
+    durable = {f"{name}_{path}_put_vs_ref: odirect+fdatasync": round_ratios(rows, name, path, "ref: odirect+fdatasync", "put")
+               for name in models for path in ("statestore-ssd", "ref: ssd-tier-alone", "lmcache-disk-odirect")}
     if rounds > 1:
         print("\nRatios per round (the floor is their median):")
         for label, values in ratios.items():
             print(f"  {label}: " + " ".join(f"{v:.2f}" for v in values))
     for title, ratios_of in (("Every chunk as one request, LMCache's batched calls", request),
-                             ("Full caches, every put evicting", full)):
+                             ("Full caches, every put evicting", full),
+                             ("Puts against the least a durable put costs here (plain O_DIRECT write + fdatasync; "
+                              "LMCache's backend does not flush)", durable)):
         print(f"\n{title} (no floor; median of the rounds' ratios):")
         for label, values in ratios_of.items():
             print(f"  {label}: {statistics.median(values):.2f} (" + " ".join(f"{v:.2f}" for v in values) + ")")
@@ -759,6 +815,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in ratios.items()},
         "request_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in request.items()},
         "full_cache_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in full.items()},
+        "durable_put_ratios_by_round": {k: [round(v, 4) for v in vs] for k, vs in durable.items()},
         "seconds": round(time.monotonic() - started, 1)})
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")
 

@@ -1,11 +1,13 @@
 """bench.lmcache_compare's bookkeeping of rounds: medians per path and ratios per round (the
-measuring itself needs LMCache and runs in `make bench-lmcache`)."""
+measuring itself needs LMCache and runs in `make bench-lmcache`), and its durable plain-file
+reference, which needs no LMCache."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from bench.lmcache_compare import NUMERIC, median_rows, round_ratios
+from bench.lmcache_compare import NUMERIC, median_rows, round_ratios, run_durable_plain
 
 
 def row(path: str, rnd: int, put: float, get: float, *, exact: bool = True, model: str = "m") -> dict[str, Any]:
@@ -54,3 +56,12 @@ def test_misses_are_counted_over_the_rounds_apart_from_wrong_bytes() -> None:
     rows = [{**row("a", 0, 1.0, 1.0), "misses": 2}, {**row("a", 1, 1.0, 1.0), "misses": 1}]
     (merged,) = median_rows(rows)
     assert merged["misses"] == 3 and merged["bit_exact"] is True
+
+
+def test_the_durable_plain_reference_writes_flushes_and_reads_back_the_chunks(tmp_path: Path) -> None:
+    """`ref: odirect+fdatasync` (plain O_DIRECT files, flushed): every chunk read back equal, its
+    files removed after, its row marked durable (it needs no LMCache: real files here)."""
+    row_ = run_durable_plain("v41-like", 2, tmp_path)
+    assert row_["path"] == "ref: odirect+fdatasync" and row_["durable"] == "fdatasync"
+    assert row_["bit_exact"] and row_["chunks"] == 2 and row_["put_GBps"] > 0 and row_["get_GBps"] > 0
+    assert not any(tmp_path.iterdir())
