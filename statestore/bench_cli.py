@@ -33,7 +33,7 @@ _NEEDS = {"lmcache_compare": ("lmcache", "make bench-lmcache (LMCache runs in a 
 @dataclass(frozen=True, slots=True)
 class Benchmark:
     name: str
-    about: str  # the first line of its docstring
+    about: str  # the first sentence of its docstring
     last_run: str  # the date of its latest committed results ("" if none)
 
 
