@@ -117,7 +117,7 @@ def _next_logits(server: StateStoreServer) -> Any:
 
 
 def _next_token(d: Divergence) -> str:
-    return f"top-1 {'same' if d.top1_same else 'differs'}, KL {d.kl:.4f}, max |dlogit| {d.max_abs_dlogit:.3f}"
+    return f"top-1 {'same' if d.top1_same else 'differs'}, KL {d.kl:.2g}, max |dlogit| {d.max_abs_dlogit:.3g}"
 
 
 def _print(result: dict[str, Any]) -> None:
