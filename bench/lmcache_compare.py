@@ -573,46 +573,37 @@ def run_durable_plain(name: str, num_chunks: int, work: Path) -> dict[str, Any]:
     """Reference for what durability costs on this disk: plain file I/O of the same chunk bytes,
     each put a new file written with O_DIRECT from an aligned huge-page buffer (as LMCache's
     backend writes) and then fdatasynced, which LMCache's backend never does; each get an
-    O_DIRECT read into a buffer of the same kind. No header, checksum, index, RPC or copy: the
-    least a durable put of a chunk costs here, which puts the SSD floor's gap between what
-    statestore adds and what the flush adds."""
-    from tiers._fs import ALIGN, map_io_buffer, round_up
+    O_DIRECT read into a buffer of the same kind (`bench.tiers`' SSD references). No header,
+    checksum, index, RPC or copy: the least a durable put of a chunk costs here, which puts the
+    SSD floor's gap between what statestore adds and what the flush adds."""
+    from bench.tiers import _aligned, ref_get_direct, ref_put_direct
 
     payloads = make_payloads(MODELS[name], num_chunks)
-    nbytes = payloads[0].numel() * 2
-    padded = round_up(nbytes, ALIGN)
-    src, dst = map_io_buffer(padded), map_io_buffer(padded)
+    chunks = [p.view(torch.uint8).numpy().tobytes() for p in payloads]
+    src, padded = _aligned(chunks[0])
+    dst, _ = _aligned(bytes(len(chunks[0])))  # zeros: a read that lands nothing cannot pass for chunk 0
     folder = work / f"durable-plain-{name}"
     folder.mkdir(parents=True, exist_ok=True)
     t = Timings()
 
-    def put(i: int, payload: torch.Tensor) -> float:
-        src[:nbytes] = payload.view(torch.uint8).numpy().tobytes()  # untimed, as LMCache's `fill`
+    def put(i: int, chunk: bytes) -> float:
+        src[:len(chunk)] = chunk  # untimed, as LMCache's `fill`
         t0 = time.perf_counter()
-        fd = os.open(folder / f"{i}.chunk", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        try:
-            os.pwritev(fd, [src[:padded]], 0)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        ref_put_direct(folder / f"{i}.chunk", src, padded, len(chunk))
         return time.perf_counter() - t0
 
-    def get(i: int, payload: torch.Tensor) -> float:
+    def get(i: int, chunk: bytes) -> float:
         t0 = time.perf_counter()
-        fd = os.open(folder / f"{i}.chunk", os.O_RDONLY | os.O_DIRECT)
-        try:
-            got = os.preadv(fd, [dst[:padded]], 0)
-        finally:
-            os.close(fd)
+        ref_get_direct(folder / f"{i}.chunk", dst, padded)
         took = time.perf_counter() - t0
-        t.exact = t.exact and got >= nbytes and bytes(dst[:nbytes]) == payload.view(torch.uint8).numpy().tobytes()
+        t.exact = t.exact and dst[:len(chunk)] == chunk
         return took
 
-    t.first_s = (put(-1, payloads[0]), get(-1, payloads[0]))  # as Timings.measure: outside the figures
-    t.put_s = [put(i, p) for i, p in enumerate(payloads)]
-    t.get_s = [get(i, p) for i, p in enumerate(payloads)]
+    t.first_s = (put(-1, chunks[0]), get(-1, chunks[0]))  # as Timings.measure: outside the figures
+    t.put_s = [put(i, c) for i, c in enumerate(chunks)]
+    t.get_s = [get(i, c) for i, c in enumerate(chunks)]
     shutil.rmtree(folder, ignore_errors=True)
-    return t.row(name, "ref: odirect+fdatasync", nbytes, durable="fdatasync", restart_found=None)
+    return t.row(name, "ref: odirect+fdatasync", len(chunks[0]), durable="fdatasync", restart_found=None)
 
 
 def drop_redis_keys(pattern: str) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put_calls, make_records, put_calls,
                           records_for, sidecar_servers)
+from bench.tiers import parse_size
 from statestore.client import ClientOptions, StateStoreClient
 
 TOTAL_BYTES = 64 << 20  # as bench.server: records of one size, 32 MiB per call
@@ -31,11 +32,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    size = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
-    if not 0 < size <= 32 << 20:
-        raise argparse.ArgumentTypeError(f"record size {text!r} outside (0, 32M]")
+def record_size(text: str) -> int:
+    """`--size`: a size as `bench.tiers` reads them ("256K", "1M"), at most one 32 MiB call."""
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size > 32 << 20:
+        raise argparse.ArgumentTypeError(f"record size {text!r} above 32M")
     return size
 
 
@@ -75,7 +79,7 @@ async def run(size: int, rounds: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=parse_size, default=256 << 10, help="record size (default 256K)")
+    parser.add_argument("--size", type=record_size, default=256 << 10, help="record size (default 256K)")
     parser.add_argument("--rounds", type=int, default=10, help="alternations of ours and the echo (default 10)")
     args = parser.parse_args()
     if args.rounds < 1:
