@@ -397,15 +397,18 @@ class HeaderCache:
         self._entries[key] = (bytes(buf[:HEADER_SIZE]), header, checksum)
         return header, checksum
 
-    def decode_many(self, values: Sequence[bytes | None], keys: Sequence[bytes]) -> list[Record | RecordError | None]:
+    def decode_many(self, values: Sequence[bytes | memoryview | None],
+                    keys: Sequence[bytes]) -> list[Record | RecordError | None]:
         """`decode_record(value, expect_key=key, headers=self)` for each pair, in one loop: a
         batch read's per-record calls cost as much as the checks (~0.5 of ~1.5 µs for 4 KiB).
         None stays None; a value that does not decode gives its RecordError, not a raise, so
-        one corrupt value does not hide the others."""
+        one corrupt value does not hide the others. A read-only memoryview value gives a record
+        whose payload is a view of it (`keep_view`: the reader's buffer outlives the record)."""
         out: list[Record | RecordError | None] = []
         entries, digest = self._entries, xxhash.xxh3_64_intdigest
         for key, value in zip(keys, values):
-            hit = entries.get(key) if type(value) is bytes else None
+            kept = type(value) is memoryview
+            hit = entries.get(key) if type(value) is bytes or kept else None
             if hit is not None and value[:HEADER_SIZE] == hit[0]:  # type: ignore[index]
                 header = hit[1]
                 if (len(value) == HEADER_SIZE + header.stored_length and not header.flags  # type: ignore[arg-type]
@@ -422,7 +425,7 @@ class HeaderCache:
                 out.append(None)
                 continue
             try:  # not cached, or anything to report: the full path says what is wrong
-                out.append(decode_record(value, expect_key=key, headers=self))
+                out.append(decode_record(value, expect_key=key, headers=self, keep_view=kept))
             except RecordError as exc:
                 out.append(exc)
         return out

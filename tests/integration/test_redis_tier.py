@@ -176,25 +176,91 @@ async def test_put_sends_header_and_payload_as_one_value(tier: RedisTier, raw: R
         await expiring.aclose()
 
 
-async def test_large_values_go_out_in_groups_and_come_back_in_ranges(tier: RedisTier, raw: Redis, redis_url: str,
-                                                                    prefix: str) -> None:
-    """Above 8 MiB a SET batch is written in groups and a known value read as GETRANGE pieces in
-    one transaction: both byte for byte the encoded record. A value replaced by one of another
-    length since the tier learned its size is read whole, and a key gone since is a miss."""
-    big = [rec(1, (9 << 20) + 12_345), rec(2, 3 << 20), rec(3, 7 << 20)]  # the batch is ~19 MiB
-    assert await tier.put_many(big) == [True] * 3
-    for r in big:
-        assert await raw.get(tier.redis_key(r.key)) == encode_record(r)
-        assert_same(await tier.get(r.key), r)
-    other = RedisTier(redis_url, prefix=prefix)  # another node rewrites record 1, 1 MiB longer
+@pytest.mark.parametrize("bulk_reads", [True, False], ids=["own-reader", "redis-py"])
+async def test_large_values_go_out_in_groups_and_come_back_whole(raw: Redis, redis_url: str, prefix: str,
+                                                                bulk_reads: bool) -> None:
+    """Above 8 MiB a SET batch is written in groups; a value comes back byte for byte the
+    encoded record, read in place by the tier's own reader or, without it, as GETRANGE pieces
+    in one transaction. A value replaced by one of another length since the tier learned its
+    size is read whole, and a key gone since is a miss."""
+    tier = RedisTier(redis_url, prefix=prefix, bulk_reads=bulk_reads)
     try:
-        longer = rec(1, (10 << 20) + 12_345)
-        assert longer.key == big[0].key and await other.put(longer)
+        assert tier.bulk_reads is bulk_reads
+        big = [rec(1, (9 << 20) + 12_345), rec(2, 3 << 20), rec(3, 7 << 20)]  # the batch is ~19 MiB
+        assert await tier.put_many(big) == [True] * 3
+        for r in big:
+            assert await raw.get(tier.redis_key(r.key)) == encode_record(r)
+            assert_same(await tier.get(r.key), r)
+        for got, r in zip(await tier.get_many([r.key for r in big]), big):
+            assert_same(got, r)
+        other = RedisTier(redis_url, prefix=prefix)  # another node rewrites record 1, 1 MiB longer
+        try:
+            longer = rec(1, (10 << 20) + 12_345)
+            assert longer.key == big[0].key and await other.put(longer)
+        finally:
+            await other.aclose()
+        assert_same(await tier.get(big[0].key), longer)  # the stale size: read whole, still exact
+        await raw.delete(tier.redis_key(big[0].key))
+        assert await tier.get(big[0].key) is None
     finally:
-        await other.aclose()
-    assert_same(await tier.get(big[0].key), longer)  # the stale size: read whole, still exact
-    await raw.delete(tier.redis_key(big[0].key))
-    assert await tier.get(big[0].key) is None
+        await tier.aclose()
+
+
+async def test_own_reader_values_of_every_size_are_exact_read_only_views(tier: RedisTier) -> None:
+    """GET and MGET through the tier's own reader, values around the sizes where it changes how
+    it reads (its 64 KiB scratch buffer, the 16 KiB direct-read threshold) mixed with misses in
+    one MGET: each payload exact, kept as a read-only view of the buffer it was read into."""
+    assert tier.bulk_reads
+    sizes = [0, 1, 4095, (16 << 10) - 200, (16 << 10) + 1, (64 << 10) - 170, 64 << 10, (64 << 10) + 1, 3 << 20]
+    records = [rec(i, n) for i, n in enumerate(sizes)]
+    assert await tier.put_many(records) == [True] * len(records)
+    missing = [rec(1000 + i).key for i in range(3)]
+    keys = [missing[0], *[r.key for r in records[:4]], missing[1], *[r.key for r in records[4:]], missing[2]]
+    got = await tier.get_many(keys)
+    want: list[Record | None] = [None, *records[:4], None, *records[4:], None]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            assert_same(g, w)
+            assert isinstance(g.payload, memoryview) and g.payload.readonly
+    for r in records:
+        assert_same(await tier.get(r.key), r)
+    assert await tier.get(missing[0]) is None
+
+
+async def test_own_reader_authenticates_selects_the_db_and_survives_a_killed_connection(
+        redis_process_factory: Callable[..., RedisProcess]) -> None:
+    """A password and a db in the URL hold for the tier's own reader as for redis-py; a wrong
+    password is an outage (misses, health flag), never an exception; a connection Redis closes
+    while it sits idle is replaced on the next read, which still hits."""
+    server = redis_process_factory()
+    async with Redis(port=server.port) as admin:  # (set after start: the factory's readiness probe has no password)
+        await admin.config_set("requirepass", "s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+    tier = RedisTier(url, prefix="auth")
+    try:
+        assert tier.bulk_reads
+        records = [rec(i, 100_000) for i in range(3)]
+        assert await tier.put_many(records) == [True] * 3
+        async with Redis.from_url(url) as db3, Redis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/0") as db0:
+            assert await db3.exists(tier.redis_key(records[0].key)) == 1
+            assert await db0.exists(tier.redis_key(records[0].key)) == 0
+            assert_same(await tier.get(records[0].key), records[0])  # the reader's connection is open now
+            assert await db3.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert_same(await tier.get(records[1].key), records[1])
+        for got, want in zip(await tier.get_many([r.key for r in records]), records):
+            assert_same(got, want)
+        assert tier.healthy
+    finally:
+        await tier.aclose()
+    wrong = RedisTier(f"redis://:nope@127.0.0.1:{server.port}/3", prefix="auth", bulk_reads=True)
+    try:
+        assert await wrong.get(records[0].key) is None
+        assert wrong.healthy is False
+    finally:
+        await wrong.aclose()
 
 
 async def test_a_refused_set_is_false_and_the_connection_recovers(
