@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 64 << 10  # reply lines and small values; a value larger than what is left goes direct
 MAX_LINE_BYTES = SCRATCH_BYTES  # a reply line (type, length, error text) longer than this is refused
+# A bulk string announced longer than this is refused before anything is allocated for it: twice
+# Redis's default `proto-max-bulk-len` (512 MB), so no value Redis would store is turned away,
+# while a corrupt length cannot make the reader allocate without bound.
+MAX_VALUE_BYTES = 1 << 30
 _CRLF = b"\r\n"
 
 
@@ -135,8 +139,8 @@ class ReplyParser:
         kind, rest = line[:1], line[1:]
         if kind == b"$":
             length = self._int(rest)
-            if length < -1:
-                raise rex.InvalidResponse(f"redis bulk length {length}")
+            if length < -1 or length > MAX_VALUE_BYTES:
+                raise rex.InvalidResponse(f"redis bulk length {length} outside [-1, {MAX_VALUE_BYTES}]")
             if length == -1:
                 self._value(None)
             else:
@@ -292,6 +296,7 @@ class BulkReader:
         self._timeout_s = socket_timeout_s
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: list[BulkProtocol] = []
+        self._closed = False
 
     async def get(self, name: bytes | str) -> memoryview | None:
         """The value of `name` as a read-only view of a buffer of its own (None when it does not exist)."""
@@ -310,6 +315,8 @@ class BulkReader:
         return reply
 
     async def aclose(self) -> None:
+        """Close the idle connections; one in use closes when its call ends."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for proto in idle:
             if proto.transport is not None:
@@ -319,6 +326,8 @@ class BulkReader:
         """Run `command` on an idle connection, else a new one. A reused connection that turns
         out closed (Redis restarted while it sat idle) is dropped and the command sent once more
         on a new one: GET and MGET change nothing, so a second try is safe."""
+        if self._closed:
+            raise rex.ConnectionError("the redis bulk reader is closed")
         async with self._slots:
             proto = self._take_idle()
             if proto is not None:
@@ -339,10 +348,16 @@ class BulkReader:
         try:
             result = await proto.call(command, self._timeout_s)
         except rex.ResponseError:
-            self._idle.append(proto)  # an error reply, read whole: the connection is fine
+            self._keep(proto)  # an error reply, read whole: the connection is fine
             raise
-        self._idle.append(proto)  # only a connection whose reply was read whole comes back
+        self._keep(proto)  # only a connection whose reply was read whole comes back
         return result
+
+    def _keep(self, proto: BulkProtocol) -> None:
+        if self._closed and proto.transport is not None:
+            proto.transport.close()
+        else:
+            self._idle.append(proto)
 
     async def _connect(self) -> BulkProtocol:
         loop = asyncio.get_running_loop()

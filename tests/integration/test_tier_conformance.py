@@ -22,7 +22,10 @@ from tiers import registry
 from tiers.registry import TierConfig, build_tier, open_tier, register_tier, registered_tiers
 
 SIZES = [0, 1, 4096, 1 << 20]
-TIERS = ["ssd", pytest.param("redis", marks=pytest.mark.redis), "host"]
+# "redis" reads through the tier's own reader (`tiers.redis_bulk`), "redis-py" with it off, as
+# on a TLS URL: both read paths must behave alike.
+TIERS = ["ssd", pytest.param("redis", marks=pytest.mark.redis), pytest.param("redis-py", marks=pytest.mark.redis),
+         "host"]
 
 
 def rec(i: int, size: int = 64, *, kind: int = 1, fill: int | None = None) -> Record:
@@ -55,9 +58,10 @@ async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     name = request.param
     if name == "ssd":
         config = TierConfig("ssd", path=tmp_path / "ssd")
-    elif name == "redis":
+    elif name in ("redis", "redis-py"):
         url = request.getfixturevalue("redis_url")
-        config = TierConfig("redis", url=url, prefix=f"test-{uuid.uuid4().hex[:12]}")
+        config = TierConfig("redis", url=url, prefix=f"test-{uuid.uuid4().hex[:12]}",
+                            options={"bulk_reads": name == "redis"})
     else:
         if importlib.util.find_spec(f"tiers.{name}") is None:
             pytest.skip(f"tier {name!r}: module tiers.{name} does not exist yet")
@@ -67,7 +71,7 @@ async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         yield t
     finally:
         await t.aclose()
-        if name == "redis":
+        if config.name == "redis":
             await _drop_prefix(config.url, config.prefix)  # type: ignore[arg-type]
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rex
 
-from tiers.redis_bulk import SCRATCH_BYTES, ReplyParser, encode_command
+from tiers.redis_bulk import MAX_VALUE_BYTES, SCRATCH_BYTES, ReplyParser, encode_command
 
 
 def bulk(value: bytes | None) -> bytes:
@@ -102,6 +102,7 @@ def test_an_error_reply_is_a_response_error_with_its_text() -> None:
 @pytest.mark.parametrize("reply, says", [
     (b"$abc\r\n", "not an integer"),
     (b"$-2\r\n", "bulk length -2"),
+    (b"$%d\r\n" % (MAX_VALUE_BYTES + 1), "outside"),  # refused before anything is allocated
     (b"$3\r\nabcXY", "not followed by CRLF"),
     (b"?what\r\n", "unexpected redis reply line"),
     (b"*2\r\n+OK\r\n", "unexpected redis reply line"),  # GET and MGET arrays hold bulk strings only
