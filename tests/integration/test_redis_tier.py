@@ -393,3 +393,87 @@ async def test_cluster_put_get_contains_get_many_scan(redis_process_factory: Cal
         assert await tier.delete(keys[0]) is True and await tier.get(keys[0]) is None
     finally:
         await tier.aclose()
+
+
+@pytest.mark.parametrize("bulk_reads", [True, False], ids=["own-reader", "redis-py"])
+async def test_zstd_kinds_are_stored_compressed_and_read_back_exact(redis_url: str, prefix: str, raw: Redis,
+                                                                   bulk_reads: bool) -> None:
+    tier = RedisTier(redis_url, prefix=prefix, zstd_kinds={1: 3}, bulk_reads=bulk_reads)
+    try:
+        compressible = make_record(1, 1, b"statestore " * 20_000, model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
+                                   block_key=hashlib.sha256(b"zstd").digest())
+        plain = rec(2, 50_000, kind=2)  # a kind without zstd
+        assert await tier.put_many([compressible, plain]) == [True, True]
+        stored = await raw.strlen(tier.redis_key(compressible.key))
+        assert stored < len(compressible.payload) // 10
+        assert await raw.strlen(tier.redis_key(plain.key)) == len(encode_record(plain))
+        for got, want in zip(await tier.get_many([compressible.key, plain.key]), [compressible, plain]):
+            assert_same(got, want)
+        assert_same(await tier.get(compressible.key), compressible)
+    finally:
+        await tier.aclose()
+
+
+class _MisbehavingRedis:
+    """A TCP peer that answers the tier's own reader the way a broken server or a proxy might:
+    `reply(request) -> (bytes to send, then close?)`."""
+
+    def __init__(self, reply: Callable[[bytes], tuple[bytes, bool]]) -> None:
+        self._reply = reply
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                while request := await reader.read(65536):
+                    data, close = self._reply(request)
+                    writer.write(data)
+                    await writer.drain()
+                    if close:
+                        break
+            except (ConnectionError, asyncio.CancelledError):
+                pass  # the tier dropped the connection, or the test is over
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("case", ["cut mid-value", "not RESP", "too long a value", "wrong type"])
+async def test_own_reader_turns_a_broken_reply_into_a_miss(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that cuts a value short, speaks something else, announces an absurd length or
+    answers a GET with an integer: each get is a miss (an outage for a cut connection, a refusal
+    otherwise), never an exception or a hang. A connection whose reply broke the protocol is
+    never reused; one whose reply was whole (the integer) is."""
+    replies = {
+        "cut mid-value": (b"$100\r\nonly part of it", True),
+        "not RESP": (b"HTTP/1.1 400 Bad Request\r\n\r\n", False),
+        "too long a value": (b"$99999999999\r\n", False),
+        "wrong type": (b":42\r\n", False),
+    }
+    peer = _MisbehavingRedis(lambda request: replies[case])
+    async with peer as url:
+        tier = RedisTier(url, prefix="broken", socket_timeout_s=1.0, cooldown_s=0.01, max_cooldown_s=0.01)
+        try:
+            assert tier.bulk_reads
+            with caplog.at_level(logging.WARNING, logger="tiers.redis"):
+                started = time.monotonic()
+                assert await tier.get(rec(1).key) is None
+                await asyncio.sleep(0.02)  # past the cooldown
+                assert await tier.get_many([rec(1).key, rec(2).key]) == [None, None]
+                assert time.monotonic() - started < 1.0
+            assert peer.connections == (1 if case == "wrong type" else 2)
+            if case == "cut mid-value":
+                assert tier.healthy is False and "redis closed the connection" in caplog.text
+            else:
+                assert "redis get refused" in caplog.text
+        finally:
+            await tier.aclose()
