@@ -19,11 +19,13 @@ anyway: no header+payload copy of the record per put (a 4 MiB record paid ~1 ms 
 On a Cluster, where the client must route every key, the value is concatenated and SET
 through the client (pipelined for batches).
 
-Reads on standalone Redis (not TLS) go through the tier's own reader (`tiers.redis_bulk`): GET
-and MGET on a few connections of its own, each value landing in a buffer of exactly its size,
-which the record keeps as its payload (a read-only view): no copy in the client. redis-py's
-reply path copies a large value several times (32 MiB: ~80 ms against ~30 read in place on the
-development VM). Elsewhere GETs go through redis-py.
+Reads go through the tier's own reader (`tiers.redis_bulk`; not on TLS URLs): GET and MGET on a
+few connections of its own, each value landing in a buffer of exactly its size, which the
+record keeps as its payload (a read-only view): no copy in the client. redis-py's reply path
+copies a large value several times (32 MiB: ~80 ms against ~30 read in place on the
+development VM). On a Cluster each node gets a reader; redis-py's slot map says which node
+holds a key, and a redirect or an unreachable node sends that call through redis-py, which
+follows it and refreshes the map.
 
 Outages: every call goes through `_attempt`. A connection error or timeout (socket timeout
 0.5 s by default, no client retries) turns into a miss / False, sets `healthy` to False and
@@ -104,7 +106,10 @@ SEND_WHOLE_MAX_BYTES = 8 << 20
 # (`statestore.allocator`, large buffers kept in the heap).
 RANGED_GET_MIN_BYTES = 8 << 20
 RANGE_BYTES = 1 << 20
-BULK_CONNECTIONS = 16  # the own reader's connections at most (`tiers.redis_bulk`)
+BULK_CONNECTIONS = 16  # the own reader's connections at most (`tiers.redis_bulk`), per node on a Cluster
+# On a Cluster, get_many reads values the tier knows to be at least this large through their
+# nodes' readers (a call each); smaller ones go in one redis-py pipeline.
+CLUSTER_READER_MIN_BYTES = 64 << 10
 NAME_CACHE_ENTRIES = 1 << 16  # Redis key names kept per tier (`redis_key`): ~10 MB at most
 SCAN_BATCH = 512
 
@@ -178,9 +183,14 @@ class RedisTier(Tier):
         self._max_cooldown_s = max_cooldown_s
         self._cluster = url.startswith(CLUSTER_SCHEME) if cluster is None else cluster
         self._client = _make_client(url, self._cluster, socket_timeout_s, max_connections)
-        self._bulk = (redis_bulk.BulkReader(url, socket_timeout_s=socket_timeout_s,
-                                            max_connections=min(max_connections, BULK_CONNECTIONS))
-                      if bulk_reads and not self._cluster and redis_bulk.supports(url) else None)
+        self._url = _plain_url(url)
+        readable = bulk_reads and redis_bulk.supports(self._url)
+        self._reader_options = dict(socket_timeout_s=socket_timeout_s,
+                                    max_connections=min(max_connections, BULK_CONNECTIONS))
+        self._bulk = redis_bulk.BulkReader(url, **self._reader_options) if readable and not self._cluster else None
+        # a Cluster's nodes, each read by a reader of its own (`_cluster_get`), made when first needed
+        self._node_readers: dict[tuple[str, int], redis_bulk.BulkReader] | None = \
+            {} if readable and self._cluster else None
         self._key_re = re.compile(rf"^{re.escape(prefix)}:\{{([0-9a-f]{{{2 * KEY_BYTES}}})\}}:(\d+)$")
         self._healthy = True
         self._current_cooldown_s = cooldown_s
@@ -200,14 +210,16 @@ class RedisTier(Tier):
                    zstd_kinds=config.zstd_kinds, **config.options)
 
     async def aclose(self) -> None:
-        if self._bulk is not None:
-            await self._bulk.aclose()
+        readers = [self._bulk] if self._bulk is not None else []
+        readers += (self._node_readers or {}).values()
+        for reader in readers:
+            await reader.aclose()
         await self._client.aclose()
 
     @property
     def bulk_reads(self) -> bool:
         """Whether GETs go through the tier's own reader (`tiers.redis_bulk`)."""
-        return self._bulk is not None
+        return self._bulk is not None or self._node_readers is not None
 
     @property
     def healthy(self) -> bool:
@@ -443,6 +455,8 @@ class RedisTier(Tier):
         bulk = self._bulk
         if bulk is not None:
             value = await self._attempt("get", lambda: bulk.get(name))
+        elif self._node_readers is not None:
+            value = await self._attempt("get", lambda: self._cluster_get(name))
         elif known is not None and known[1] >= RANGED_GET_MIN_BYTES and not self._cluster:
             value = await self._attempt("get", lambda: self._get_ranged(name, known[1]))
         else:
@@ -450,6 +464,54 @@ class RedisTier(Tier):
         if value is UNAVAILABLE:
             return None
         return await self._verified(key, value)
+
+    async def _cluster_get(self, name: str) -> Any:
+        """GET on a Cluster through the reader of the node that redis-py's slot map names. A node
+        that redirects (MOVED / ASK: the slot moved since the map was read) or cannot be reached
+        (a failover) sends the call through redis-py, which follows the redirect or finds the new
+        owner and refreshes its map, so the next call goes straight to the right node."""
+        client = self._client
+        await client.initialize()  # the slot map, read once (a no-op afterwards)
+        node = client.get_node_from_key(name)
+        readers = self._node_readers
+        assert readers is not None
+        reader = readers.get((node.host, node.port))
+        if reader is None:
+            reader = readers[(node.host, node.port)] = redis_bulk.BulkReader(
+                self._url, host=node.host, port=node.port, **self._reader_options)
+        try:
+            return await reader.get(name)
+        except rex.ResponseError as exc:
+            if not str(exc).startswith(("MOVED ", "ASK ")):
+                raise
+            logger.debug("redis cluster: %s:%s answered %s; reading through redis-py", node.host, node.port, exc)
+        except rex.ConnectionError as exc:
+            logger.debug("redis cluster: %s:%s unreachable (%s); reading through redis-py", node.host, node.port, exc)
+        return await client.get(name)
+
+    async def _cluster_get_many(self, keys: Sequence[RecordKey], names: Sequence[str]) -> list[Any]:
+        """GETs on a Cluster: values the tier knows to be CLUSTER_READER_MIN_BYTES or larger
+        through their nodes' readers, all at once (`_cluster_get`); the rest in one pipeline of
+        GETs through redis-py, where the replies of small values cost less than a call each."""
+        out: list[Any] = [None] * len(keys)
+        large = [i for i, k in enumerate(keys) if self._known.get(k, (0, 0))[1] >= CLUSTER_READER_MIN_BYTES]
+        small = sorted(set(range(len(keys))) - set(large))
+        reads = [self._cluster_get(names[i]) for i in large]
+        if small:
+            pipe = self._client.pipeline(transaction=False)
+            for i in small:
+                pipe.get(names[i])
+            reads.append(pipe.execute())
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        for result in results:  # every read finished: the first failure fails the call
+            if isinstance(result, BaseException):
+                raise result
+        for i, value in zip(large, results):
+            out[i] = value
+        if small:
+            for i, value in zip(small, results[-1]):
+                out[i] = value
+        return out
 
     async def _get_ranged(self, name: str, size: int) -> bytes | None:
         """The value of `name`, expected `size` bytes long, read as GETRANGE pieces and its
@@ -465,7 +527,8 @@ class RedisTier(Tier):
         return None if length == 0 else await self._client.get(name)
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
-        """MGET on standalone Redis; a pipeline of GETs on a Cluster (keys span slots)."""
+        """MGET on standalone Redis; on a Cluster (keys span slots) GETs, large values through
+        their nodes' readers and the rest in a pipeline (`_cluster_get_many`)."""
         if not keys:
             return []
         rkeys = [self.redis_key(k) for k in keys]
@@ -473,6 +536,9 @@ class RedisTier(Tier):
         if bulk is not None:
             async def run() -> list[Any]:
                 return await bulk.mget(rkeys)
+        elif self._node_readers is not None:
+            async def run() -> list[Any]:
+                return await self._cluster_get_many(keys, rkeys)
         elif self._cluster:
             async def run() -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
@@ -626,12 +692,16 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
+def _plain_url(url: str) -> str:
+    """`redis+cluster://...` as the `redis://...` URL redis-py and the reader parse."""
+    return "redis://" + url.removeprefix(CLUSTER_SCHEME) if url.startswith(CLUSTER_SCHEME) else url
+
+
 def _make_client(url: str, cluster: bool, socket_timeout_s: float, max_connections: int) -> Redis | RedisCluster:
     """A client that owns its pool, fails fast (short timeouts, no retries: the tier's cooldown
     is the retry policy) and never connects in the constructor."""
     common: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
                                   retry=Retry(NoBackoff(), 0), max_connections=max_connections)
     if cluster:
-        plain = "redis://" + url.removeprefix(CLUSTER_SCHEME) if url.startswith(CLUSTER_SCHEME) else url
-        return RedisCluster.from_url(plain, **common)
+        return RedisCluster.from_url(_plain_url(url), **common)
     return Redis.from_pool(ConnectionPool.from_url(url, **common))

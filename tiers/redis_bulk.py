@@ -277,19 +277,21 @@ class BulkReader:
 
     Args:
         url: the tier's `redis://` or `unix://` URL (host, port, db, username, password).
+        host, port: another node than the URL's, with the URL's credentials (a Cluster's nodes).
         socket_timeout_s: connect timeout, and the longest a reply may go without a byte.
         max_connections: calls in flight at once; more wait for a connection.
     """
 
-    def __init__(self, url: str, *, socket_timeout_s: float = 0.5, max_connections: int = 8) -> None:
+    def __init__(self, url: str, *, host: str | None = None, port: int | None = None,
+                 socket_timeout_s: float = 0.5, max_connections: int = 8) -> None:
         if not supports(url):
             raise ValueError(f"BulkReader serves redis:// and unix:// URLs, not {url.split('://')[0]}://")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         opts = parse_url(url)
-        self._host = opts.get("host", "localhost")
-        self._port = int(opts.get("port", 6379))
-        self._path = opts.get("path")
+        self._host = host or opts.get("host", "localhost")
+        self._port = int(port or opts.get("port", 6379))
+        self._path = None if host else opts.get("path")
         self._db = int(opts.get("db", 0) or 0)
         self._username = opts.get("username")
         self._password = opts.get("password")

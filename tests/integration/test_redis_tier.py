@@ -395,6 +395,71 @@ async def test_cluster_put_get_contains_get_many_scan(redis_process_factory: Cal
         await tier.aclose()
 
 
+async def _move_slot(nodes: list[RedisProcess], slot: int) -> tuple[int, int]:
+    """Move `slot` and its keys to another master, as `redis-cli --cluster reshard` does for
+    each slot (IMPORTING / MIGRATING, MIGRATE, SETSLOT NODE everywhere); returns (from, to) ports."""
+    owners = []
+    for node in nodes:
+        async with Redis(port=node.port) as client:
+            if await client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot):
+                owners.append(node.port)
+    assert len(owners) == 1, owners
+    src = owners[0]
+    dst = next(n.port for n in nodes if n.port != src)
+    async with Redis(port=src) as s, Redis(port=dst) as d:
+        src_id = (await s.execute_command("CLUSTER", "MYID")).decode()
+        dst_id = (await d.execute_command("CLUSTER", "MYID")).decode()
+        await d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        await s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while names := await s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            await s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *names)
+    for node in nodes:
+        async with Redis(port=node.port) as client:
+            await client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    return src, dst
+
+
+@pytest.mark.timeout(20)
+async def test_cluster_reads_large_values_per_node_and_follows_a_moved_slot(
+        redis_process_factory: Callable[..., RedisProcess], caplog: pytest.LogCaptureFixture) -> None:
+    """On a Cluster the tier's own reader reads each key from the node redis-py's slot map
+    names: large values exact through get and get_many, beside small ones. After a slot moves
+    to another node, the first get is redirected (MOVED), served through redis-py, which
+    refreshes its map, and later reads go to the new owner's reader: exact, no miss, healthy."""
+    nodes = _start_cluster(redis_process_factory)
+    await _wait_cluster_ok(nodes)
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{nodes[0].port}", prefix="clr")
+    try:
+        assert tier.cluster and tier.bulk_reads
+        large = [rec(i, 200_000 + i) for i in range(6)]
+        small = [rec(100 + i, 3000) for i in range(6)]
+        assert await tier.put_many(large + small) == [True] * 12
+        for r in large + small:
+            assert_same(await tier.get(r.key), r)
+        mixed = [x for pair in zip(large, small) for x in pair]
+        for got, want in zip(await tier.get_many([r.key for r in mixed] + [rec(999).key]), mixed + [None]):
+            if want is None:
+                assert got is None
+            else:
+                assert_same(got, want)
+
+        moved = large[0]
+        src, dst = await _move_slot(nodes, key_slot(tier.redis_key(moved.key).encode()))
+        with caplog.at_level(logging.DEBUG, logger="tiers.redis"):
+            assert_same(await tier.get(moved.key), moved)  # redirected: through redis-py
+        assert f"127.0.0.1:{src} answered MOVED" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tiers.redis"):
+            assert_same(await tier.get(moved.key), moved)  # the refreshed map: the new owner's reader
+        assert "reading through redis-py" not in caplog.text
+        assert ("127.0.0.1", dst) in (tier._node_readers or {})
+        for got, want in zip(await tier.get_many([r.key for r in large]), large):
+            assert_same(got, want)
+        assert tier.healthy
+    finally:
+        await tier.aclose()
+
+
 @pytest.mark.parametrize("bulk_reads", [True, False], ids=["own-reader", "redis-py"])
 async def test_zstd_kinds_are_stored_compressed_and_read_back_exact(redis_url: str, prefix: str, raw: Redis,
                                                                    bulk_reads: bool) -> None:
