@@ -102,7 +102,8 @@ class StoreConfig:
 
     retention_by_kind: Mapping[int, Retention] = field(default_factory=dict)  # default MUST_KEEP
     tier_profiles: Mapping[TierName, TierProfile] = field(default_factory=lambda: dict(DEFAULT_TIER_PROFILES))
-    eviction_window: int = 32  # candidates shown to the policy per eviction (at least enough bytes)
+    eviction_window: int = 32  # candidates shown to the policy per eviction (at least enough bytes),
+    # for a policy that names no window of its own (`PlacementPolicy.eviction_window`)
     enable_events: bool = False  # record StoreEvents for take_events()
     # Kinds whose records are a cache (LMCache chunks, OPAQUE): evictable for room even as the
     # only copy at their durability level. Pins and unacknowledged puts stay protected. The kind
@@ -248,6 +249,7 @@ class TieredStore:
                 raise ValueError(f"tier {tier.name!r} given as the {name.value} tier")
         self._invoker = _PolicyInvoker(policy or LRUPolicy())
         self._config = config or StoreConfig()
+        self._eviction_window = self._invoker.eviction_window(self._config.eviction_window)
         self._clock = clock
         self._index: dict[RecordKey, StateMeta] = {}
         self._queues = {n: _EvictionQueue() for n in self._tiers}
@@ -497,7 +499,7 @@ class TieredStore:
                     continue
                 candidates.append(meta)
                 total += meta.resident_bytes(name)
-                if total >= need and len(candidates) >= self._config.eviction_window:
+                if total >= need and len(candidates) >= self._eviction_window:
                     break
         if total < need:
             return []

@@ -252,6 +252,39 @@ async def test_filling_host_evicts_in_exact_lru_order_and_residency_is_bytes_hel
     assert stats.fill == 1.0
 
 
+class _CountingLRU(LRUPolicy):
+    """LRU that records how many candidates each eviction showed it."""
+
+    def __init__(self, window: object) -> None:
+        self.eviction_window = window  # type: ignore[assignment]
+        self.shown: list[int] = []
+
+    def decide_eviction(self, candidates, need_bytes, tier):  # type: ignore[no-untyped-def]
+        self.shown.append(len(candidates))
+        return super().decide_eviction(candidates, need_bytes, tier)
+
+
+@pytest.mark.parametrize("window, shown", [(1, 1), (5, 5), (None, 7), (0, 7), ("many", 7)])
+async def test_a_policy_sees_the_eviction_window_it_names(stores: Callable[..., TieredStore],
+                                                          caplog: pytest.LogCaptureFixture,
+                                                          window: object, shown: int) -> None:
+    """Each eviction collects the candidates the policy asks for (`eviction_window`; LRU needs
+    only those that cover the bytes, since its order is the queue's), else the store's window
+    (7 here); a window that is not a positive int is named in a warning. The victims are the
+    same either way: LRU's."""
+    policy = _CountingLRU(window)
+    with caplog.at_level(logging.WARNING, logger="statestore.policy"):
+        store = stores(host=host_tier(10), policy=policy, config=StoreConfig(eviction_window=7))
+    assert ("is not a positive int" in caplog.text) == (window in (0, "many"))
+    recs = [rec(i) for i in range(14)]
+    for r in recs[:10]:
+        await store.put(r)
+    evicted = [(await store.put(r)).evicted for r in recs[10:]]
+    assert evicted == [((recs[i].key, HOST),) for i in range(4)]
+    assert policy.shown == [shown] * 4
+    assert LRUPolicy.eviction_window == 1
+
+
 async def test_filling_ssd_evicts_in_lru_order_and_residency_is_bytes_on_disk(
         stores: Callable[..., TieredStore], tmp_path: Path) -> None:
     root = tmp_path / "ssd"
