@@ -44,9 +44,12 @@ async def run(size: int, count: int, rounds: int) -> dict[str, float]:
     footprint = size + record_overhead_bytes(1)  # one page per record: page size = record size
     records = make_records(size, count)
     fresh = make_records(size, count)  # new keys for the full store: each put evicts one
-    roomy_host = HostTier(4 * count * footprint, {1: size}, slab_bytes=size)
+    # The full tier's slabs hold one page each, so that its budget holds exactly `count` records
+    # (no page is left free in a slab another kind could not use); the roomy ones grow by the
+    # default slab (budget / 16), as a server's does.
+    roomy_host = HostTier(4 * count * footprint, {1: size})
     full_host = HostTier(count * footprint, {1: size}, slab_bytes=size)
-    bare_host = HostTier(4 * count * footprint, {1: size}, slab_bytes=size)
+    bare_host = HostTier(4 * count * footprint, {1: size})
     roomy, full = TieredStore(host=roomy_host), TieredStore(host=full_host)
     for r in records:  # warm: pages mapped, keys indexed
         await roomy.put(r, Durability.MEMORY)
