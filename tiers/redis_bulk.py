@@ -1,4 +1,4 @@
-"""GET and MGET replies read straight into buffers of their own (standalone Redis, no TLS).
+"""GET and MGET replies read straight into buffers of their own (plain TCP or Unix sockets, no TLS).
 
 redis-py's asyncio client reads a reply through an asyncio StreamReader (and, without hiredis,
 a pure-Python parser): the bytes pass through the transport's read buffer, the reader's
@@ -10,7 +10,8 @@ On the development VM a 32 MiB GET took ~80 ms that way against ~30 ms read into
 and reads with an `asyncio.BufferedProtocol`: once a bulk string's length is known, the
 transport's reads land in a buffer of exactly that size (plus its CRLF), so each value is
 copied once, by the kernel. Small values that arrive together are parsed out of one scratch
-buffer. Everything else the tier does (SETs, scans, deletes, Cluster, TLS) stays with redis-py.
+buffer. Everything else the tier does (SETs, scans, deletes, reads on TLS URLs, a Cluster's slot
+map and redirects) stays with redis-py; on a Cluster the tier keeps one reader per node.
 
 Failures are redis-py's exception types, so the tier's outage boundary treats both clients
 alike: a connection lost or refused is `ConnectionError`, no bytes for `socket_timeout_s` is
@@ -60,8 +61,8 @@ def encode_command(*parts: bytes | str) -> bytes:
 
 class ReplyParser:
     """Parses one RESP reply at a time into `result`: a bulk string as a read-only view of a
-    buffer of its own (None for nil), an array of those (one level: what GET and MGET answer), a simple
-    string, an integer, or a `ResponseError` for an error reply.
+    buffer of its own (None for nil), an array of those (one level: what GET and MGET answer),
+    a simple string, an integer, or a `ResponseError` for an error reply.
 
     Fed by `BulkProtocol` through `buffer()` (where the next bytes should land) and `landed(n)`;
     kept apart from any socket so that it can be driven byte pattern by byte pattern.
@@ -122,7 +123,7 @@ class ReplyParser:
             body = self._body
             if body is not None:  # copy what the scratch holds of the body
                 take = min(self._end - self._start, len(body) - self._filled)
-                body[self._filled:self._filled + take] = scratch[self._start:self._start + take]
+                body[self._filled:self._filled + take] = memoryview(scratch)[self._start:self._start + take]
                 self._filled += take
                 self._start += take
                 if self._filled == len(body):
