@@ -98,10 +98,11 @@ OFFLOAD_BYTES = 8 << 20
 # cost a 4 MiB put up to a quarter (0.97 -> 0.70-0.72 of raw SET in two full runs).
 SEND_GROUP_BYTES = 1 << 20
 SEND_WHOLE_MAX_BYTES = 8 << 20
-# Without the tier's own reader (`bulk_reads=False`, or a TLS URL), a GET of a value the tier knows
-# to be at least RANGED_GET_MIN_BYTES long (standalone Redis) reads it as GETRANGE pieces of RANGE_BYTES in one MULTI/EXEC (`_get_ranged`): redis-py reads
-# a bulk reply into an asyncio StreamReader buffer that grows by reallocation, copying what it
-# holds each time, while pieces keep that buffer small. A 32 MiB value on the development VM:
+# Without the tier's own reader (`bulk_reads=False`, or a TLS URL), a GET of a value the tier
+# knows to be at least RANGED_GET_MIN_BYTES long (standalone Redis) reads it as GETRANGE pieces of
+# RANGE_BYTES in one MULTI/EXEC (`_get_ranged`): redis-py reads a bulk reply into an asyncio
+# StreamReader buffer that grows by reallocation, copying what it holds each time, while
+# pieces keep that buffer small. A 32 MiB value on the development VM:
 # 81.7 -> 48.6 ms with glibc's default thresholds, 46.2 -> 26.9 ms with the server's
 # (`statestore.allocator`, large buffers kept in the heap).
 RANGED_GET_MIN_BYTES = 8 << 20
@@ -155,7 +156,8 @@ class RedisTier(Tier):
         socket_timeout_s: per-operation socket timeout (connect and read).
         bulk_reads: read GET and MGET replies with the tier's own reader (`tiers.redis_bulk`:
             each value lands in a buffer of its own, no copies in the client) where the URL
-            allows it (standalone, not TLS); False: through redis-py like every other call.
+            allows it (not TLS; on a Cluster, one reader per node); False: through redis-py
+            like every other call.
         cooldown_s / max_cooldown_s: after a failure, skip calls this long; doubles per
             consecutive failure up to the maximum.
 
