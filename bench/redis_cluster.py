@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -25,8 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.tiers import parse_size
-from tiers.record import Record, make_record
+from bench.tiers import make_records, parse_size
 from tiers.redis import RedisTier
 
 TOTAL_BYTES = 64 << 20  # per pass and size: at least 4 records
@@ -77,11 +74,6 @@ def _wait(ready: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def make_records(size: int, count: int) -> list[Record]:
-    return [make_record(1, 1, os.urandom(size), model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
-                        block_key=hashlib.sha256(f"{size}-{i}".encode()).digest()) for i in range(count)]
-
-
 async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     started = time.perf_counter()
     await fn()
@@ -92,7 +84,7 @@ async def run_size(url: str, size: int, rounds: int) -> dict[str, Any]:
     from redis.asyncio.cluster import RedisCluster
 
     count = max(4, TOTAL_BYTES // size)
-    records = make_records(size, count)
+    records = make_records(size, count, "redis-cluster")
     own = RedisTier(url, prefix="bench-own", socket_timeout_s=10.0)
     plain = RedisTier(url, prefix="bench-plain", socket_timeout_s=10.0, bulk_reads=False)
     raw = RedisCluster.from_url(url.replace("redis+cluster://", "redis://"), socket_timeout=10.0)

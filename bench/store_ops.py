@@ -15,22 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from bench.tiers import parse_size
+from bench.tiers import make_records, parse_size
 from statestore.store import TieredStore
 from statestore.types import Durability
 from tiers.host import HostTier
 from tiers.pools import record_overhead_bytes
-from tiers.record import Record, make_record
-
-
-def make_records(size: int, count: int) -> list[Record]:
-    return [make_record(1, 1, os.urandom(size), model_fingerprint=b"F" * 16, tenant_id=b"T" * 16,
-                        block_key=os.urandom(32)) for _ in range(count)]
+from tiers.record import Record
 
 
 async def per_put_us(put: Callable[[Record], Awaitable[object]], records: Sequence[Record]) -> float:
@@ -42,8 +36,8 @@ async def per_put_us(put: Callable[[Record], Awaitable[object]], records: Sequen
 
 async def run(size: int, count: int, rounds: int) -> dict[str, float]:
     footprint = size + record_overhead_bytes(1)  # one page per record: page size = record size
-    records = make_records(size, count)
-    fresh = make_records(size, count)  # new keys for the full store: each put evicts one
+    records = make_records(size, count, "store-ops")
+    fresh = make_records(size, count, "store-ops-fresh")  # new keys for the full store: each put evicts one
     # The full tier's slabs hold one page each, so that its budget holds exactly `count` records
     # (no page is left free in a slab another kind could not use); the roomy ones grow by the
     # default slab (budget / 16), as a server's does.
