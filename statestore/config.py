@@ -15,6 +15,7 @@ TOML layout (every key optional)::
     [metrics]  port = 9464   addr = "127.0.0.1"                        # port 0 = no endpoint
     [storage]  data_dir = "~/.cache/statestore"   host_budget_bytes = 1073741824
                ssd_budget_bytes = 0   redis_url = ""   redis_prefix = "ss"
+               redis_bulk_reads = true # Redis GETs read in place by the tier's own reader; false: redis-py
                ssd_recycle_bytes = -1  # deleted records' files kept for reuse: -1 automatic, 0 none
                ssd_loop_reads = true   # SSD reads below 2 MiB on the event loop (native AIO); false: threads
                ssd_read_poll_us = 2000 # the loop polls for a lone such read's completion, up to this long; 0: never
@@ -106,6 +107,9 @@ class ServiceConfig:
     ssd_read_poll_us: int = 2000
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
+    # Redis GET/MGET replies read by the tier's own reader, each value into a buffer of its own
+    # (`tiers.redis_bulk`; not on rediss:// URLs); False: through redis-py, as every other call.
+    redis_bulk_reads: bool = True
     # Kinds whose records are a cache (names or codes, e.g. "opaque" for LMCache chunks): their
     # only durable copy may still be evicted for room (`StoreConfig.cache_kinds`).
     cache_kinds: tuple[str, ...] = ()
@@ -246,6 +250,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "ssd_read_poll_us"): "ssd_read_poll_us",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
+    ("storage", "redis_bulk_reads"): "redis_bulk_reads",
     ("storage", "cache_kinds"): "cache_kinds",
     ("storage", "secret_file"): "secret_file",
     ("storage", "policy"): "policy",

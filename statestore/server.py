@@ -669,7 +669,7 @@ class StateStoreServer:
         if c.redis_url:
             from tiers.redis import RedisTier
 
-            redis = RedisTier(c.redis_url, prefix=c.redis_prefix)
+            redis = RedisTier(c.redis_url, prefix=c.redis_prefix, bulk_reads=c.redis_bulk_reads)
         store = TieredStore(host=host, ssd=ssd, redis=redis, policy=policy, config=store_config)
         self.ssd, self.host = ssd, host
         self.open_report = report = await store.open()  # the SSD's open-time scan, not a second walk

@@ -40,6 +40,7 @@ MAX_LINE_BYTES = SCRATCH_BYTES  # a reply line (type, length, error text) longer
 # Redis's default `proto-max-bulk-len` (512 MB), so no value Redis would store is turned away,
 # while a corrupt length cannot make the reader allocate without bound.
 MAX_VALUE_BYTES = 1 << 30
+CLIENT_NAME = "statestore-reader"  # what `CLIENT LIST` shows for the reader's connections
 _CRLF = b"\r\n"
 
 
@@ -383,6 +384,10 @@ class BulkReader:
                     raise rex.AuthenticationError(str(exc)) from None
             if self._db:
                 await proto.call(encode_command(b"SELECT", str(self._db)), self._timeout_s)
+            try:  # for operators (CLIENT LIST); a proxy without CLIENT SETNAME serves reads all the same
+                await proto.call(encode_command(b"CLIENT", b"SETNAME", CLIENT_NAME), self._timeout_s)
+            except rex.ResponseError:
+                pass
         except BaseException:
             if proto.transport is not None:
                 proto.transport.abort()

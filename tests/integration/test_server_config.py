@@ -49,6 +49,14 @@ def test_ssd_loop_reads_from_toml_and_env(tmp_path: Path) -> None:
     assert load_config(env={"STATESTORE_STORAGE_SSD_LOOP_READS": "0"}).ssd_loop_reads is False
 
 
+def test_redis_bulk_reads_from_toml_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "r.toml"
+    path.write_text("[storage]\nredis_bulk_reads = false\n")
+    assert load_config(env={}).redis_bulk_reads is True
+    assert load_config(path, env={}).redis_bulk_reads is False
+    assert load_config(path, env={"STATESTORE_STORAGE_REDIS_BULK_READS": "true"}).redis_bulk_reads is True
+
+
 def test_ssd_read_poll_us_from_toml_and_env(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
     path.write_text("[storage]\nssd_read_poll_us = 0\n")
@@ -84,6 +92,7 @@ def test_cache_kinds_from_toml_and_env(tmp_path: Path) -> None:
     ("", {"STATESTORE_STORAGE_SSD_RECYCLE_BYTES": "-2"}, "storage.ssd_recycle_bytes: -2 < -1"),
     ("[storage]\nssd_loop_reads = 1\n", {}, "ssd_loop_reads from"),
     ("", {"STATESTORE_STORAGE_SSD_LOOP_READS": "maybe"}, "expected true or false"),
+    ("[storage]\nredis_bulk_reads = 2\n", {}, "redis_bulk_reads from"),
     ("[storage]\nssd_read_poll_us = -1\n", {}, "storage.ssd_read_poll_us: -1 outside [0, 1000000] (0: never poll)"),
     ("", {"STATESTORE_STORAGE_SSD_READ_POLL_US": "2ms"}, "ssd_read_poll_us from STATESTORE_STORAGE_SSD_READ_POLL_US"),
 ])
@@ -174,3 +183,43 @@ async def test_cost_policy_runs_in_the_service_from_a_calibration_profile(tmp_pa
     assert explained is not None and explained["policy"]["policy"] == "cost"
     assert explained["policy"]["retention"] == "MUST_KEEP" and explained["policy"]["rebuild_s"] > 0
     assert "rebuild" in explained["policy"]["summary"] and "P(reuse" in explained["policy"]["summary"]
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("bulk_reads", [True, False])
+async def test_the_server_reads_redis_as_redis_bulk_reads_says(tmp_path: Path, redis_url: str,
+                                                                bulk_reads: bool) -> None:
+    """`storage.redis_bulk_reads` reaches the Redis tier: with it on, the server's Redis reads
+    come on connections of the tier's own reader (named in CLIENT LIST); off, none exist."""
+    from redis.asyncio import Redis
+
+    from statestore.client import StateStoreClient
+    from statestore.config import ServiceConfig
+    from statestore.server import StateStoreServer
+    from statestore.types import Durability
+    from tiers.record import make_record
+    from tiers.redis_bulk import CLIENT_NAME
+
+    async def readers(raw: Redis) -> int:
+        return sum(c.get("name") == CLIENT_NAME for c in await raw.client_list())
+
+    prefix = f"cfg-{tmp_path.name[-12:]}"
+    server = StateStoreServer(ServiceConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data", engine_preset="mini",
+                                            redis_url=redis_url, redis_prefix=prefix, redis_bulk_reads=bulk_reads))
+    await server.start()
+    try:
+        async with StateStoreClient(f"127.0.0.1:{server.port}") as client, Redis.from_url(redis_url) as raw:
+            before = await readers(raw)
+            fp = (await client.stats()).model_fingerprint
+            record = make_record(1, 1, b"x" * 100_000, model_fingerprint=fp, tenant_id=bytes(16),
+                                 block_key=bytes(range(32)))
+            await client.put_records([record], Durability.SHARED)
+            await client.evict([record.key], ["host", "ssd"])  # the next get has to ask Redis
+            got = await client.get_records([record.key])
+            assert got[0] is not None and got[0].payload == record.payload
+            assert (await readers(raw) > before) is bulk_reads
+            keys = [k async for k in raw.scan_iter(match=f"{prefix}:*")]
+            if keys:
+                await raw.delete(*keys)
+    finally:
+        await server.stop(0)
