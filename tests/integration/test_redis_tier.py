@@ -12,6 +12,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 import socket
 from typing import Any
 
@@ -542,3 +543,23 @@ async def test_own_reader_turns_a_broken_reply_into_a_miss(case: str, caplog: py
                 assert "redis get refused" in caplog.text
         finally:
             await tier.aclose()
+
+
+async def test_own_reader_over_a_unix_socket(redis_process_factory: Callable[..., RedisProcess],
+                                             tmp_path: Path) -> None:
+    """A `unix://` URL (a Redis on the same host without TCP): the reader connects to the socket
+    and selects the URL's db, as redis-py does for the writes."""
+    path = tmp_path / "redis.sock"
+    redis_process_factory("--unixsocket", str(path), "--unixsocketperm", "700")
+    tier = RedisTier(f"unix://{path}?db=2", prefix="unix")
+    try:
+        assert tier.bulk_reads
+        records = [rec(i, 300_000) for i in range(3)]
+        assert await tier.put_many(records) == [True] * 3
+        for got, want in zip(await tier.get_many([r.key for r in records]), records):
+            assert_same(got, want)
+        assert_same(await tier.get(records[0].key), records[0])
+        async with Redis(unix_socket_path=str(path), db=2) as db2:
+            assert await db2.exists(tier.redis_key(records[0].key)) == 1
+    finally:
+        await tier.aclose()
