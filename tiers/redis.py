@@ -189,7 +189,7 @@ class RedisTier(Tier):
         readable = bulk_reads and redis_bulk.supports(self._url)
         self._reader_options = dict(socket_timeout_s=socket_timeout_s,
                                     max_connections=min(max_connections, BULK_CONNECTIONS))
-        self._bulk = redis_bulk.BulkReader(url, **self._reader_options) if readable and not self._cluster else None
+        self._bulk = redis_bulk.BulkReader(self._url, **self._reader_options) if readable and not self._cluster else None
         # a Cluster's nodes, each read by a reader of its own (`_cluster_get`), made when first needed
         self._node_readers: dict[tuple[str, int], redis_bulk.BulkReader] | None = \
             {} if readable and self._cluster else None
@@ -453,14 +453,14 @@ class RedisTier(Tier):
 
     async def get(self, key: RecordKey) -> Record | None:
         name = self.redis_key(key)
-        known = self._known.get(key)
         bulk = self._bulk
         if bulk is not None:
             value = await self._attempt("get", lambda: bulk.get(name))
         elif self._node_readers is not None:
             value = await self._attempt("get", lambda: self._cluster_get(name))
-        elif known is not None and known[1] >= RANGED_GET_MIN_BYTES and not self._cluster:
-            value = await self._attempt("get", lambda: self._get_ranged(name, known[1]))
+        elif not self._cluster and self._known.get(key, (0, 0))[1] >= RANGED_GET_MIN_BYTES:
+            size = self._known[key][1]
+            value = await self._attempt("get", lambda: self._get_ranged(name, size))
         else:
             value = await self._attempt("get", lambda: self._client.get(name))
         if value is UNAVAILABLE:
@@ -495,9 +495,9 @@ class RedisTier(Tier):
         """GETs on a Cluster: values the tier knows to be CLUSTER_READER_MIN_BYTES or larger
         through their nodes' readers, all at once (`_cluster_get`); the rest in one pipeline of
         GETs through redis-py, where the replies of small values cost less than a call each."""
-        out: list[Any] = [None] * len(keys)
-        large = [i for i, k in enumerate(keys) if self._known.get(k, (0, 0))[1] >= CLUSTER_READER_MIN_BYTES]
-        small = sorted(set(range(len(keys))) - set(large))
+        is_large = [self._known.get(k, (0, 0))[1] >= CLUSTER_READER_MIN_BYTES for k in keys]
+        large = [i for i, big in enumerate(is_large) if big]
+        small = [i for i, big in enumerate(is_large) if not big]
         reads = [self._cluster_get(names[i]) for i in large]
         if small:
             pipe = self._client.pipeline(transaction=False)
@@ -505,15 +505,13 @@ class RedisTier(Tier):
                 pipe.get(names[i])
             reads.append(pipe.execute())
         results = await asyncio.gather(*reads, return_exceptions=True)
-        for result in results:  # every read finished: the first failure fails the call
-            if isinstance(result, BaseException):
-                raise result
-        for i, value in zip(large, results):
-            out[i] = value
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:  # every read finished: the first failure fails the call
+            raise failed
+        values = dict(zip(large, results))
         if small:
-            for i, value in zip(small, results[-1]):
-                out[i] = value
-        return out
+            values.update(zip(small, results[-1]))
+        return [values[i] for i in range(len(keys))]
 
     async def _get_ranged(self, name: str, size: int) -> bytes | None:
         """The value of `name`, expected `size` bytes long, read as GETRANGE pieces and its

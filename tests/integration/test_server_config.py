@@ -40,21 +40,17 @@ def test_toml_then_env_overrides(tmp_path: Path) -> None:
     assert load_config(env={"STATESTORE_TOKENS": "a=12345678,b=87654321"}).tokens == {"a": "12345678", "b": "87654321"}
 
 
-def test_ssd_loop_reads_from_toml_and_env(tmp_path: Path) -> None:
-    path = tmp_path / "l.toml"
-    path.write_text("[storage]\nssd_loop_reads = false\n")
-    assert load_config(env={}).ssd_loop_reads is True
-    assert load_config(path, env={}).ssd_loop_reads is False
-    assert load_config(path, env={"STATESTORE_STORAGE_SSD_LOOP_READS": "on"}).ssd_loop_reads is True
-    assert load_config(env={"STATESTORE_STORAGE_SSD_LOOP_READS": "0"}).ssd_loop_reads is False
-
-
-def test_redis_bulk_reads_from_toml_and_env(tmp_path: Path) -> None:
-    path = tmp_path / "r.toml"
-    path.write_text("[storage]\nredis_bulk_reads = false\n")
-    assert load_config(env={}).redis_bulk_reads is True
-    assert load_config(path, env={}).redis_bulk_reads is False
-    assert load_config(path, env={"STATESTORE_STORAGE_REDIS_BULK_READS": "true"}).redis_bulk_reads is True
+@pytest.mark.parametrize("setting", ["ssd_loop_reads", "redis_bulk_reads"])
+def test_storage_switches_from_toml_and_env(tmp_path: Path, setting: str) -> None:
+    """On by default; off from the TOML file; the environment's word (any of the bool words)
+    wins over the file either way."""
+    env_name = f"STATESTORE_STORAGE_{setting.upper()}"
+    path = tmp_path / "s.toml"
+    path.write_text(f"[storage]\n{setting} = false\n")
+    assert getattr(load_config(env={}), setting) is True
+    assert getattr(load_config(path, env={}), setting) is False
+    assert getattr(load_config(path, env={env_name: "on"}), setting) is True
+    assert getattr(load_config(env={env_name: "0"}), setting) is False
 
 
 def test_ssd_read_poll_us_from_toml_and_env(tmp_path: Path) -> None:
