@@ -4,6 +4,10 @@ alternated, and the CPU seconds the client, `statestore serve` and the echo spen
 On a host with cores to spare it says which side is the bottleneck (README, Service: on the
 H200's host our server's event loop is, not the client).
 
+Per record, each side's CPU is also split by thread: the main thread of the client and of the
+server (the event loop, where every Python step of a handler runs) against the whole server
+process (gRPC's own threads move the bytes). The main threads are what the two sides differ in.
+
     python -m bench.server_calls [--size 256K] [--rounds 10]
 """
 
@@ -16,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put_calls, make_records, put_calls,
@@ -26,10 +31,24 @@ from statestore.client import ClientOptions, StateStoreClient
 TOTAL_BYTES = 64 << 20  # as bench.server: records of one size, 32 MiB per call
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
+    """User + system CPU seconds of process `pid` so far, or of its main thread only (Linux /proc)."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class SideCpu:
+    """CPU seconds one side's calls took, summed over its calls: this client's main thread (the
+    loop that frames and sends), the server's process and the server's main thread."""
+
+    client_main: float = 0.0
+    server: float = 0.0
+    server_main: float = 0.0
+
+    def per_record_us(self, records: int) -> dict[str, float]:
+        return {f"{name}_us_per_record": round(value / records * 1e6, 1) for name, value in vars(self).items()}
 
 
 def record_size(text: str) -> int:
@@ -62,19 +81,29 @@ async def run(size: int, rounds: int) -> dict[str, float]:
                 await put_calls(c, records, batch)  # warm-up (the host tier maps its slabs), as bench.server does
                 await echo_put_calls(ch, records[0].payload, count, batch)
                 pids = {"client": os.getpid(), "server": servers.ours_pid, "echo": servers.echo_pid}
+                server_of = {"ours": servers.ours_pid, "echo": servers.echo_pid}
+                split = {"ours": SideCpu(), "echo": SideCpu()}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 started = time.perf_counter()
                 for r in range(rounds):
-                    for side in (ours, echo) if r % 2 == 0 else (echo, ours):
+                    for name, side in (("ours", ours), ("echo", echo)) if r % 2 == 0 else (("echo", echo), ("ours", ours)):
+                        pid = server_of[name]
+                        t0, s0, m0 = time.thread_time(), cpu_seconds(pid), cpu_seconds(pid, main_thread=True)
                         await side()
+                        split[name].client_main += time.thread_time() - t0
+                        split[name].server += cpu_seconds(pid) - s0
+                        split[name].server_main += cpu_seconds(pid, main_thread=True) - m0
                 wall = time.perf_counter() - started
                 used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
             await ch.close()
+    moved = rounds * count  # records each side moved in the timed calls
     return {"record_bytes": size, "records_per_call": batch, "calls_each": len(calls["ours"]),
             "ours_call_ms_p50": statistics.median(calls["ours"]) * 1e3,
             "echo_call_ms_p50": statistics.median(calls["echo"]) * 1e3,
             "ours_call_ms_min": min(calls["ours"]) * 1e3, "echo_call_ms_min": min(calls["echo"]) * 1e3,
-            "wall_s": wall, **{f"{name}_cpu_s": v for name, v in used.items()}, "cpus": os.cpu_count() or 0}
+            "wall_s": wall, **{f"{name}_cpu_s": v for name, v in used.items()},
+            "ours_cpu": split["ours"].per_record_us(moved), "echo_cpu": split["echo"].per_record_us(moved),
+            "cpus": os.cpu_count() or 0}
 
 
 def main() -> None:
