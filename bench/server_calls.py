@@ -1,7 +1,7 @@
 """Where a PutRecords call's time goes in the sidecar shape (a diagnostic beside `bench.server`,
 no floor): the wall time of each call of ours and of the raw gRPC echo moving the same records,
 alternated, and the CPU seconds the client, `statestore serve` and the echo spent meanwhile.
-On a host with cores to spare it says which side is the bottleneck (README, Service: on the
+On a host with cores to spare it says which side is the bottleneck (bench/NOTES.md, Service: on the
 H200's host our server's event loop is, not the client).
 
 Per record, each side's CPU is also split by thread: the main thread of the client and of the
