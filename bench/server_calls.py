@@ -8,7 +8,9 @@ Per record, each side's CPU is also split by thread: the main thread of the clie
 server (the event loop, where every Python step of a handler runs) against the whole server
 process (gRPC's own threads move the bytes). The main threads are what the two sides differ in.
 
-    python -m bench.server_calls [--size 256K] [--rounds 10]
+    python -m bench.server_calls [--size 256K[,4M...]] [--rounds 10] [--save]
+
+`--save` writes the rows to bench/results/server_calls.json (no floors: a diagnostic).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put_calls, make_records, put_calls,
                           records_for, sidecar_servers)
+from bench.common import write_results
 from bench.tiers import parse_size
 from statestore.client import ClientOptions, StateStoreClient
 
@@ -51,15 +54,19 @@ class SideCpu:
         return {f"{name}_us_per_record": round(value / records * 1e6, 1) for name, value in vars(self).items()}
 
 
-def record_size(text: str) -> int:
-    """`--size`: a size as `bench.tiers` reads them ("256K", "1M"), at most one 32 MiB call."""
-    try:
-        size = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if size > 32 << 20:
-        raise argparse.ArgumentTypeError(f"record size {text!r} above 32M")
-    return size
+def record_sizes(text: str) -> list[int]:
+    """`--size`: sizes as `bench.tiers` reads them ("256K", "1M"), comma-separated, each at
+    most one 32 MiB call."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = parse_size(part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if size > 32 << 20:
+            raise argparse.ArgumentTypeError(f"record size {part!r} above 32M")
+        sizes.append(size)
+    return sizes
 
 
 async def run(size: int, rounds: int) -> dict[str, float]:
@@ -102,18 +109,27 @@ async def run(size: int, rounds: int) -> dict[str, float]:
             "echo_call_ms_p50": statistics.median(calls["echo"]) * 1e3,
             "ours_call_ms_min": min(calls["ours"]) * 1e3, "echo_call_ms_min": min(calls["echo"]) * 1e3,
             "wall_s": wall, **{f"{name}_cpu_s": v for name, v in used.items()},
-            "ours_cpu": split["ours"].per_record_us(moved), "echo_cpu": split["echo"].per_record_us(moved),
+            "ratio": statistics.median(calls["echo"]) / statistics.median(calls["ours"]),
+            **{f"ours_{k}": v for k, v in split["ours"].per_record_us(moved).items()},
+            **{f"echo_{k}": v for k, v in split["echo"].per_record_us(moved).items()},
             "cpus": os.cpu_count() or 0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=record_size, default=256 << 10, help="record size (default 256K)")
+    parser.add_argument("--size", type=record_sizes, default=[256 << 10],
+                        help="record sizes, comma-separated (default 256K)")
     parser.add_argument("--rounds", type=int, default=10, help="alternations of ours and the echo (default 10)")
+    parser.add_argument("--save", action="store_true", help="write bench/results/server_calls.json")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    print(json.dumps(asyncio.run(run(args.size, args.rounds)), indent=1))
+    rows = [asyncio.run(run(size, args.rounds)) for size in args.size]
+    print(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
+    if args.save:
+        path = write_results("server_calls", device="cpu", params={"rounds": args.rounds, "sizes": args.size,
+                                                                   "total_bytes": TOTAL_BYTES}, rows=rows)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -32,3 +32,17 @@ def test_per_record_figures() -> None:
     side = SideCpu(client_main=0.5, server=2.0, server_main=1.0)
     assert side.per_record_us(1000) == {"client_main_us_per_record": 500.0, "server_us_per_record": 2000.0,
                                         "server_main_us_per_record": 1000.0}
+
+
+def test_record_sizes_are_parsed_and_bounded() -> None:
+    import argparse
+
+    import pytest
+
+    from bench.server_calls import record_sizes
+
+    assert record_sizes("256K, 4M") == [256 << 10, 4 << 20]
+    with pytest.raises(argparse.ArgumentTypeError, match="above 32M"):
+        record_sizes("256K,64M")
+    with pytest.raises(argparse.ArgumentTypeError):
+        record_sizes("lots")
