@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import write_results
 from bench.server import (CHUNK_BYTES, MAX_MESSAGE_BYTES, channel, echo_put_calls, make_records, put_calls,
                           records_for, sidecar_servers)
-from bench.common import write_results
 from bench.tiers import parse_size
 from statestore.client import ClientOptions, StateStoreClient
 
@@ -69,7 +69,7 @@ def record_sizes(text: str) -> list[int]:
     return sizes
 
 
-async def run(size: int, rounds: int) -> dict[str, float]:
+async def run(size: int, rounds: int) -> dict[str, float | int]:
     count = records_for(size, TOTAL_BYTES)
     batch = max(1, min(count, (32 << 20) // size))
     with tempfile.TemporaryDirectory(prefix="bench-calls-") as tmp:
@@ -92,8 +92,9 @@ async def run(size: int, rounds: int) -> dict[str, float]:
                 split = {"ours": SideCpu(), "echo": SideCpu()}
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 started = time.perf_counter()
+                order = (("ours", ours), ("echo", echo))
                 for r in range(rounds):
-                    for name, side in (("ours", ours), ("echo", echo)) if r % 2 == 0 else (("echo", echo), ("ours", ours)):
+                    for name, side in order if r % 2 == 0 else order[::-1]:
                         pid = server_of[name]
                         t0, s0, m0 = time.thread_time(), cpu_seconds(pid), cpu_seconds(pid, main_thread=True)
                         await side()

@@ -1,13 +1,16 @@
-"""The CPU split of `bench.server_calls`: the main thread's seconds come from its own /proc
-entry and never exceed the process's, and per-record figures divide what was summed."""
+"""`bench.server_calls`: the main thread's CPU seconds come from its own /proc entry and never
+exceed the process's, per-record figures divide what was summed, and `--size` is checked."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 import time
 
-from bench.server_calls import SideCpu, cpu_seconds
+import pytest
+
+from bench.server_calls import SideCpu, cpu_seconds, record_sizes
 
 
 def _spin(seconds: float) -> None:
@@ -35,12 +38,6 @@ def test_per_record_figures() -> None:
 
 
 def test_record_sizes_are_parsed_and_bounded() -> None:
-    import argparse
-
-    import pytest
-
-    from bench.server_calls import record_sizes
-
     assert record_sizes("256K, 4M") == [256 << 10, 4 << 20]
     with pytest.raises(argparse.ArgumentTypeError, match="above 32M"):
         record_sizes("256K,64M")
