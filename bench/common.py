@@ -12,7 +12,8 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -62,6 +63,15 @@ class Floor:
 
     def to_json(self) -> dict[str, Any]:
         return {"value": self.value, "floor": self.floor, "ok": self.ok}
+
+
+def wait_until(done: Callable[[], bool], what: str, *, timeout_s: float, poll_s: float) -> None:
+    """Poll `done` every `poll_s` seconds until it is true; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (waited {timeout_s:g} s)")
+        time.sleep(poll_s)
 
 
 def write_results(

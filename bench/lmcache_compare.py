@@ -92,7 +92,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Floor, print_floors, print_table, write_results
+from bench.common import Floor, print_floors, print_table, wait_until, write_results
 from statestore.spawn import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,14 +192,6 @@ def fill(manager: Any, model: dict[str, Any], payload: torch.Tensor) -> Any:
     return obj
 
 
-def wait_until(done: Callable[[], bool], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError("a put did not complete")
-        time.sleep(0.0005)
-
-
 class Timings:
     """Per-chunk put and get seconds of one path."""
 
@@ -280,7 +272,7 @@ def put_local(manager: Any, model: dict[str, Any], location: str, key: Any, payl
     obj = fill(manager, model, payload)
     t0 = time.perf_counter()
     manager.batched_put([key], [obj], location=location)
-    wait_until(lambda: backend.contains(key))
+    wait_until(lambda: backend.contains(key), "a put did not complete", timeout_s=300.0, poll_s=0.0005)
     return time.perf_counter() - t0  # the backend took our reference (CPU: keeps the object)
 
 

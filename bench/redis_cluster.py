@@ -23,10 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.common import wait_until
 from bench.tiers import make_records, parse_size
 from tiers.redis import RedisTier
 
 TOTAL_BYTES = 64 << 20  # per pass and size: at least 4 records
+CLUSTER_DOWN = "the Redis Cluster did not come up"
 
 
 def free_port() -> int:
@@ -52,26 +54,20 @@ def cluster(masters: int = 3) -> Iterator[list[int]]:
                  "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port()), "--save", "",
                  "--appendonly", "no", "--dir", str(node)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in ports:
-            _wait(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0)
+            wait_until(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0,
+                       CLUSTER_DOWN, timeout_s=15.0, poll_s=0.05)
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, timeout=30, capture_output=True)
         for port in ports:
-            _wait(lambda: b"cluster_state:ok" in subprocess.run(
-                ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True).stdout)
+            wait_until(lambda: b"cluster_state:ok" in subprocess.run(
+                ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True).stdout,
+                CLUSTER_DOWN, timeout_s=15.0, poll_s=0.05)
         yield ports
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _wait(ready: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > deadline:
-            raise RuntimeError("the Redis Cluster did not come up")
-        time.sleep(0.05)
 
 
 async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
