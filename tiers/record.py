@@ -37,7 +37,7 @@ from typing import NewType
 import xxhash
 import zstandard
 
-from tiers._memcpy import address, copy_bytes
+from tiers._memcpy import address, copy_bytes, source_address
 
 MAGIC = b"SSR\x01"
 FORMAT_VERSION = 1
@@ -94,13 +94,14 @@ def copy_hashing(dest: memoryview, src: bytes | memoryview, hasher: xxhash.xxh3_
     """Copy `src` into `dest` (as long) block by block, hashing each block of `dest` right after
     its copy, while it is in cache (one pass over memory instead of two; `hasher` None: copy
     only). What is hashed is what was copied, even if another process writes `src` (shared
-    memory) meanwhile. Neither the copy (between writable buffers, `tiers._memcpy`) nor the
-    hash holds the GIL: the threads waiting on the disk meanwhile go on."""
+    memory) meanwhile. Neither the copy (into a writable buffer from a writable one, or from a
+    read-only one of 64 KiB or more: `tiers._memcpy`) nor the hash holds the GIL: the threads
+    waiting on the disk, and the event loop, go on meanwhile."""
     view = memoryview(src)
     if dest.nbytes != view.nbytes:
         raise ValueError(f"copy_hashing: {view.nbytes} bytes into a {dest.nbytes}-byte buffer")
     dest_at = address(dest)
-    src_at = address(view) if dest_at is not None else None
+    src_at = source_address(view) if dest_at is not None else None
     for start in range(0, len(view), COPY_HASH_BLOCK_BYTES):
         end = min(len(view), start + COPY_HASH_BLOCK_BYTES)
         copy_bytes(dest, dest_at, view, src_at, start, end)

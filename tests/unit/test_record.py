@@ -362,7 +362,7 @@ def test_copy_hashing_between_writable_buffers_copies_without_slices(size: int, 
                                                                      hashed: bool, src_writable: bool) -> None:
     """Between writable buffers copy_hashing copies with ctypes.memmove (no GIL held), at any
     offset into either buffer, exactly the bytes a slice copy would, touching nothing around
-    them; from a read-only source it copies by slices; a destination of another length is refused."""
+    them; from a read-only source too (by slices below 64 KiB); a destination of another length is refused."""
     from tiers._memcpy import address
     from tiers.record import copy_hashing
 
@@ -379,6 +379,38 @@ def test_copy_hashing_between_writable_buffers_copies_without_slices(size: int, 
         assert hasher.intdigest() == xxhash.xxh3_64_intdigest(bytes(data[src_off:]))
     with pytest.raises(ValueError, match="copy_hashing"):
         copy_hashing(memoryview(backing)[dest_off:dest_off + size + 1], src, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 4096), st.integers(1, 3 * (64 << 10)))
+def test_source_address_reads_read_only_buffers_from_64_kib(offset: int, size: int) -> None:
+    """A read-only source (a bytes payload, a message's view) has an address from 64 KiB up, the
+    very address of its bytes (so copy_hashing copies it with memmove, without the GIL); below
+    that it is copied by slices; a writable one has its address at any size."""
+    from tiers._memcpy import READONLY_MIN_BYTES, address, source_address
+
+    backing = bytearray(offset + size)
+    writable = memoryview(backing)[offset:]
+    read_only = writable.toreadonly()
+    assert source_address(writable) == address(writable)
+    if size >= READONLY_MIN_BYTES:
+        assert source_address(read_only) == address(writable)
+    else:
+        assert source_address(read_only) is None
+    assert source_address(memoryview(bytes(backing))[::2]) is None  # not contiguous
+
+
+def test_copy_hashing_from_bytes_copies_exactly() -> None:
+    """A large bytes source goes through memmove from its own memory: the copy and the hash are
+    those of the bytes, and the source is untouched."""
+    from tiers.record import copy_hashing
+
+    src = bytes((i * 7 + 3) % 251 for i in range(1 << 20))
+    dest = memoryview(bytearray(len(src) + 8))[4:-4]
+    hasher = xxhash.xxh3_64()
+    copy_hashing(dest, memoryview(src)[0:], hasher)
+    assert bytes(dest) == src and hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
+    assert dest.obj[:4] == b"\0" * 4 and dest.obj[-4:] == b"\0" * 4
 
 
 def test_address_is_none_for_what_ctypes_cannot_copy_into_or_from() -> None:
