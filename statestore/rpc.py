@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -141,6 +142,7 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        started = time.perf_counter()
         try:
             tenant = self._calls.tenant(context)
             if isinstance(request, Undecodable):
@@ -151,6 +153,8 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except Exception as exc:  # noqa: BLE001 - the service boundary: map, never crash
             await self._calls.fail(method, exc, context)
             raise AssertionError("unreachable: abort raises") from exc
+        finally:
+            self._calls.metrics.took(method, time.perf_counter() - started)
         self._calls.metrics.calls.labels(method, "OK").inc()
         return result
 
@@ -163,6 +167,7 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        started = time.perf_counter()
         try:
             tenant = self._calls.tenant(context)
             if isinstance(request, Undecodable):
@@ -174,6 +179,8 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
         except Exception as exc:  # noqa: BLE001 - the service boundary
             await self._calls.fail(method, exc, context)
             return
+        finally:
+            self._calls.metrics.took(method, time.perf_counter() - started)
         self._calls.metrics.calls.labels(method, "OK").inc()
 
     return handler

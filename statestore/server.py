@@ -640,7 +640,7 @@ class StateStoreServer:
         self.shm = ShmAttachments()  # clients' shared-memory regions (statestore/shm.py)
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
-        self._watch: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []  # housekeeping, the loop-lag sampler
 
     def live_sessions(self) -> int:
         return len(getattr(self.sessions, "_live", {}))
@@ -699,7 +699,8 @@ class StateStoreServer:
                 await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             if c.metrics_port:
                 self.metrics_port = self.metrics.serve_http(c.metrics_port, c.metrics_addr)
-            self._watch = asyncio.create_task(self._housekeeping(), name="statestore-housekeeping")
+            self._background = [asyncio.create_task(self._housekeeping(), name="statestore-housekeeping"),
+                                asyncio.create_task(self.metrics.sample_loop_lag(), name="statestore-loop-lag")]
         except BaseException:
             self._server = None
             await server.stop(0)
@@ -749,11 +750,12 @@ class StateStoreServer:
                 logger.debug("dropped %d shared-memory region(s) of clients that are gone", dropped)
 
     async def _close_layers(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
+                await task
+        self._background = []
         await self.sessions.aclose()
         await self.store.aclose()
         self.metrics.close()

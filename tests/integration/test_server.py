@@ -8,8 +8,9 @@ Real server, real client, real tiers (host RAM + SSD under tmp_path), the `mini`
 from __future__ import annotations
 
 import asyncio
-import re
 import os
+import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -217,6 +218,9 @@ async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:
             await c.checkpoint("m")
             await c.drop_session("m")
             resumed = await c.resume("m", "exact")
+        await asyncio.sleep(0.25)  # the loop-lag sampler wakes every 0.1 s
+        time.sleep(0.35)  # the server's loop (this one) blocked: its next wake-up is >= 0.25 s late
+        await asyncio.sleep(0.15)
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
     assert 'statestore_resume_seconds_count{mode="exact"} 1.0' in text
     assert f'statestore_replay_tokens_total{{mode="exact"}} {float(resumed.replay_tokens)}' in text
@@ -227,6 +231,10 @@ async def test_metrics_endpoint_reports_tiers_and_calls(tmp_path: Path) -> None:
     moved = float(2 * (HEADER_SIZE + 4096))  # counted once per call: the two records each way
     assert f'statestore_bytes_moved_total{{direction="in"}} {moved}' in text
     assert f'statestore_bytes_moved_total{{direction="out"}} {moved}' in text
+    for method in ("PutRecords", "GetRecords", "Checkpoint", "Resume"):  # handling time, every call
+        assert f'statestore_rpc_seconds_count{{method="{method}"}} 1.0' in text
+    lag = {le: float(n) for le, n in re.findall(r'statestore_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)', text)}
+    assert lag["+Inf"] >= 3 and lag["0.25"] <= lag["+Inf"] - 1  # samples taken; the blocked one is late
 
 
 # ----- bad input: right code, useful message, server serving, state unchanged -----------------
