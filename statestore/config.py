@@ -19,6 +19,7 @@ TOML layout (every key optional)::
                ssd_recycle_bytes = -1  # deleted records' files kept for reuse: -1 automatic, 0 none
                ssd_loop_reads = true   # SSD reads below 2 MiB on the event loop (native AIO); false: threads
                ssd_read_poll_us = 2000 # the loop polls for a lone such read's completion, up to this long; 0: never
+               ssd_index_snapshot = true  # a clean stop saves the SSD index; the next start reads it, not every header
                secret_file = ""        # default <data_dir>/secret; nodes sharing a Redis must share it
                policy = "lru"          # or "cost": the cost-aware policy over `statestore calibrate`'s profile
                profile = ""            # cost profile path (default ~/.cache/statestore/profile.json)
@@ -105,6 +106,7 @@ class ServiceConfig:
     # between its other work, for up to this long, instead of sleeping until it wakes it: a
     # core busy meanwhile, for a read that lands without a halted vCPU to wake. 0: never.
     ssd_read_poll_us: int = 2000
+    ssd_index_snapshot: bool = True
     redis_url: str = ""  # "" = no Redis tier
     redis_prefix: str = "ss"
     # Redis GET/MGET replies read by the tier's own reader, each value into a buffer of its own
@@ -248,6 +250,7 @@ _KEYS: dict[tuple[str, str], str] = {
     ("storage", "ssd_recycle_bytes"): "ssd_recycle_bytes",
     ("storage", "ssd_loop_reads"): "ssd_loop_reads",
     ("storage", "ssd_read_poll_us"): "ssd_read_poll_us",
+    ("storage", "ssd_index_snapshot"): "ssd_index_snapshot",
     ("storage", "redis_url"): "redis_url",
     ("storage", "redis_prefix"): "redis_prefix",
     ("storage", "redis_bulk_reads"): "redis_bulk_reads",

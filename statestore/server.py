@@ -664,7 +664,8 @@ class StateStoreServer:
         host = HostTier(c.host_budget_bytes, make_page_sizes(specs, c.block_size))
         ssd = await SSDTier.create(c.ssd_dir, budget_bytes=c.ssd_budget_bytes,
                                    recycle_bytes=None if c.ssd_recycle_bytes < 0 else c.ssd_recycle_bytes,
-                                   loop_reads=c.ssd_loop_reads, read_poll_s=c.ssd_read_poll_us / 1e6)
+                                   loop_reads=c.ssd_loop_reads, read_poll_s=c.ssd_read_poll_us / 1e6,
+                                   index_snapshot=c.ssd_index_snapshot)
         redis = None
         if c.redis_url:
             from tiers.redis import RedisTier

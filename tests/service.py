@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -15,10 +16,11 @@ from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 
 
-async def start_mini_server(data_dir: Path) -> StateStoreServer:
-    """A started server on loopback (any port), mini engine, blocks of 64, no shutdown grace."""
+async def start_mini_server(data_dir: Path, **config: Any) -> StateStoreServer:
+    """A started server on loopback (any port), mini engine, blocks of 64, no shutdown grace
+    (`config`: other `ServiceConfig` fields)."""
     server = StateStoreServer(ServiceConfig(listen="127.0.0.1:0", data_dir=data_dir, engine_preset="mini",
-                                            block_size=64, grace_s=0))
+                                            block_size=64, grace_s=0, **config))
     await server.start()
     return server
 

@@ -81,7 +81,7 @@ import secrets
 import stat
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiofiles.os
 import xxhash
 
-from tiers import _fs
+from tiers import _fs, ssd_snapshot
 from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
 from tiers._hop import Workers
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
@@ -700,12 +700,39 @@ class _DirScan:
     discarded: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotUse:
+    """What the last scan took from an index snapshot (`tiers.ssd_snapshot`): the records the
+    snapshot held, the leaf directories it scanned because they changed since (None: no
+    snapshot, everything scanned) and, then, why."""
+
+    snapshot_records: int
+    leaves_scanned: int | None
+    why_not: str
+
+    def describe(self, indexed: int) -> str:
+        if self.leaves_scanned is None:
+            return f"{indexed} records indexed by a full scan ({self.why_not})"
+        return (f"{indexed} records indexed from the snapshot of the last clean close ({self.snapshot_records} "
+                f"records), {self.leaves_scanned} leaf directories changed since and scanned")
+
+
+def _write_snapshot(root: Path, entries: list[tuple[RecordHeader, int]], touched: set[ssd_snapshot.Leaf],
+                    opened: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp]) -> tuple[int, int, int]:
+    """Worker thread: the snapshot of the leaves it may vouch for (`ssd_snapshot.vouched`);
+    returns (leaves vouched for, leaves left out, bytes written)."""
+    now = ssd_snapshot.leaf_stamps(root)
+    stamps, vouched = ssd_snapshot.vouched(root, now, entries, touched, opened, RECORD_SUFFIX)
+    return len(stamps), len(now) - len(stamps), ssd_snapshot.write(root, stamps, vouched)
+
+
 def _list_root(root: Path) -> tuple[list[str], list[str]]:
     """Worker thread: the first-level fan-out directories, and what else is in the root."""
     tops, discarded = [], []
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.name in (QUARANTINE_DIR, SPARES_DIR, LOCK_FILE):
+            if entry.name in (QUARANTINE_DIR, SPARES_DIR, LOCK_FILE, ssd_snapshot.SNAPSHOT_FILE,
+                              ssd_snapshot.SNAPSHOT_TEMP):
                 continue
             if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
                 tops.append(entry.name)
@@ -790,6 +817,14 @@ def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
     return out
 
 
+def _scan_leaves(layout: SSDLayout, leaves: Sequence[ssd_snapshot.Leaf]) -> _DirScan:
+    """Worker thread: `_scan_leaf` of each of these leaves (those an index snapshot does not cover)."""
+    out = _DirScan()
+    for top, sub in leaves:
+        _scan_leaf(layout, f"{top:02x}", f"{sub:02x}", out)
+    return out
+
+
 def _scan_leaf(layout: SSDLayout, top: str, sub: str, out: _DirScan) -> None:
     """One leaf directory, opened once: files are opened relative to it (no path walks),
     which matters at millions of records."""
@@ -870,9 +905,12 @@ class SSDTier(Tier):
             completion between its other work instead of sleeping until the eventfd wakes it,
             for up to this long (`tiers._aio.AioReads`): a core busy meanwhile, for a read that
             lands without a halted vCPU to wake. 0: never poll.
+        index_snapshot: a clean close saves the index and the next open reads it back, scanning
+            only the leaf directories changed since (`tiers.ssd_snapshot`); False: every open
+            reads every record's header.
 
     Call `await open()` (or use `await SSDTier.create(...)`) before use: it locks the
-    directory and scans it.
+    directory and scans it (or reads the snapshot of the last clean close).
     """
 
     name = "ssd"
@@ -881,7 +919,7 @@ class SSDTier(Tier):
                  *, direct_io_min_bytes: int | None = DEFAULT_DIRECT_IO_MIN_BYTES,
                  max_concurrency: int = DEFAULT_MAX_CONCURRENCY, spare_files: int = DEFAULT_SPARE_FILES,
                  recycle_bytes: int | None = None, loop_reads: bool = True,
-                 read_poll_s: float = DEFAULT_POLL_S) -> None:
+                 read_poll_s: float = DEFAULT_POLL_S, index_snapshot: bool = True) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if max_concurrency < 1:
@@ -930,6 +968,10 @@ class SSDTier(Tier):
         self._aio: AioReads | None = None  # reads on the event loop (`tiers._aio`), where available
         self.last_scan: ScanResult | None = None
         self._scan_mark: int | None = None  # gate.mutations when open()'s scan finished; None once reported
+        self.snapshot_use: SnapshotUse | None = None  # what the last scan took from an index snapshot
+        self._index_snapshot = index_snapshot
+        self._opened_stamps: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp] | None = None  # leaves after the last scan
+        self._touched: set[ssd_snapshot.Leaf] = set()  # leaves whose records changed since the last scan
 
     # ----- life cycle -------------------------------------------------------------------
 
@@ -955,7 +997,7 @@ class SSDTier(Tier):
             self._aio = AioReads.create(poll_s=self._read_poll_s, busy=self._threads_busy)
         if self._lock_fd is None:
             self._lock_fd = await self._run(self._prepare_root)
-        self.last_scan = await self.scan()
+        self.last_scan = await self.scan(snapshot=True)
         self._closing = False
         self._start_refill()  # in the background: new keys fsync their directory until it is done
         self._scan_mark = self._gate.mutations
@@ -1009,6 +1051,8 @@ class SSDTier(Tier):
             with contextlib.suppress(Exception):
                 await self._refill_task  # not left running unowned
             self._refill_task = None
+        if self._lock_fd is not None and self._workers is not None:
+            await self._save_index()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; closing an fd does not block
             self._lock_fd = None
@@ -1021,6 +1065,24 @@ class SSDTier(Tier):
         if self._aio is not None:
             self._aio.close()  # once the reads in flight have landed
             self._aio = None
+
+    async def _save_index(self) -> None:
+        """At a clean close, with no put or delete in flight: the index as an `ssd_snapshot`,
+        which the next open reads instead of every header. A failure only costs that open a
+        full scan."""
+        if not self._index_snapshot or self._opened_stamps is None:
+            return
+        async with self._gate.exclusive():
+            entries = [(entry.header, entry.file_bytes) for entry in self._index.values()]
+            try:
+                kept, left_out, nbytes = await self._run(_write_snapshot, self._layout.root, entries,
+                                                         self._touched, self._opened_stamps)
+            except OSError as exc:
+                logger.warning("ssd tier %s: index snapshot not written (%s): the next open scans every record",
+                               self._layout.root, exc)
+                return
+        logger.info("ssd tier %s: index saved for the next open: %d leaf directories (%d left to its scan), "
+                    "%d bytes", self._layout.root, kept, left_out, nbytes)
 
     def _check_open(self) -> None:
         if self._lock_fd is None:
@@ -1115,15 +1177,38 @@ class SSDTier(Tier):
         payload to learn the size (costly; no kind is compressed by default)."""
         return self._footprint_of(self._file_bytes(record))
 
+    def _rebuild_index(self, entries: Iterable[tuple[RecordKey, RecordHeader, int]]) -> None:
+        """The index, its tallies and its directories from a scan's (key, header, file bytes),
+        in one pass: `_index_add` per entry costs ~5 us of bookkeeping, seconds at a million
+        records, on the loop, at start-up."""
+        index = self._index = {key: _Entry(header, size) for key, header, size in entries}
+        block, extra, header_bytes = self._block_bytes, INDEX_ENTRY_BYTES, HEADER_SIZE
+        sums: dict[int, list[int]] = {}
+        leaves: set[tuple[int, int]] = set()
+        for key, entry in index.items():
+            size = entry.file_bytes
+            kind_sums = sums.get(entry.header.kind)
+            if kind_sums is None:
+                kind_sums = sums[entry.header.kind] = [0, 0, 0]
+            kind_sums[0] += 1
+            kind_sums[1] += size - header_bytes
+            kind_sums[2] += -(-size // block) * block + extra - (size - header_bytes)
+            leaves.add((key[2], key[3]))
+        self._tally = {kind: _KindTally(n, payload, overhead) for kind, (n, payload, overhead) in sums.items()}
+        self._resident_bytes = sum(t.payload_bytes + t.overhead_bytes for t in self._tally.values())
+        self._dirs.update(((f"{top:02x}", f"{sub:02x}"), True) for top, sub in leaves)
+
     def _index_add(self, key: RecordKey, entry: _Entry) -> None:
         self._index_remove(key)
         self._index[key] = entry
         self._count(entry, +1)
+        self._touched.add((key[2], key[3]))
 
     def _index_remove(self, key: RecordKey) -> _Entry | None:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._count(entry, -1)
+            self._touched.add((key[2], key[3]))
         return entry
 
     def _count(self, entry: _Entry, sign: int) -> None:
@@ -1732,11 +1817,18 @@ class SSDTier(Tier):
                 return ScanResult(headers, list(self.last_scan.discarded))
         return await self.scan()
 
-    async def scan(self) -> ScanResult:
-        """Rebuild the index from the record headers on disk; clean up what is not a record."""
+    async def scan(self, *, snapshot: bool = False) -> ScanResult:
+        """Rebuild the index from the record headers on disk; clean up what is not a record.
+
+        `snapshot` (open does): take the index a clean close saved (`tiers.ssd_snapshot`),
+        removing it, and scan only the leaf directories changed since; without one, or with one
+        that does not verify, scan everything. `snapshot_use` says what happened."""
         self._check_open()
         async with self._gate.exclusive():
             root = self._layout.root
+            saved, why = await self._run(ssd_snapshot.take, root) if snapshot else (None, "not asked for")
+            if saved is not None and not self._index_snapshot:  # taken all the same: never left to go stale
+                saved, why = None, "index snapshots are off (storage.ssd_index_snapshot)"
             spares = await self._run(_scan_spares, self._layout)
             self._spares.ready = collections.deque(spares.ready)
             self._adopt_recycled(spares.recycled)
@@ -1744,16 +1836,29 @@ class SSDTier(Tier):
                 logger.info("ssd scan of %s: a whole record under a spare name, moved to its own: %s", root, line)
             tops, discarded = await self._run(_list_root, root)
             discarded = spares.discarded + discarded
-            chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
-            scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
-            self._index, self._tally, self._resident_bytes = {}, {}, 0
-            headers = []
+            # `_opened_stamps`: the leaves as this scan leaves them (it removes and quarantines),
+            # what a clean close compares the leaves it did not change with (`ssd_snapshot.vouched`).
+            trusted: Iterable[tuple[RecordHeader, int]] = ()
+            if saved is None:
+                chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
+                scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
+                self.snapshot_use = SnapshotUse(0, None, why)
+                self._opened_stamps = await self._run(ssd_snapshot.leaf_stamps, root) if self._index_snapshot else None
+            else:
+                stamps = await self._run(ssd_snapshot.leaf_stamps, root)
+                changed, trusted = ssd_snapshot.trusted_entries(saved, stamps)
+                chunks = [changed[i: i + SCAN_CHUNK * 16] for i in range(0, len(changed), SCAN_CHUNK * 16)]
+                scans = await asyncio.gather(*(self._run(_scan_leaves, self._layout, c) for c in chunks))
+                self.snapshot_use = SnapshotUse(saved.num_records, len(changed), "")
+                self._opened_stamps = await self._run(ssd_snapshot.restamped, root, stamps, changed)
             for part in scans:
                 discarded.extend(part.discarded)
-                for key, header, size in part.entries:
-                    self._index_add(key, _Entry(header, size))
-                    self._dirs[SSDLayout.fanout(key)] = True
-                    headers.append(header)
+            self._rebuild_index(itertools.chain(((h.key, h, size) for h, size in trusted),
+                                                *(part.entries for part in scans)))
+            headers = [entry.header for entry in self._index.values()]
             for line in discarded:
                 logger.warning("ssd scan of %s: %s", root, line)
+            if snapshot:
+                logger.info("ssd tier %s: %s", root, self.snapshot_use.describe(len(headers)))
+            self._touched = set()  # leaves changed since this scan (`_index_add`, `_index_remove`)
             return ScanResult(headers, discarded)
