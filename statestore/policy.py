@@ -48,18 +48,27 @@ def required_tier(durability: Durability, present: Collection[TierName]) -> Tier
     return next((t for t in TIER_ORDER if t in present), None)
 
 
+def may_evict(meta: StateMeta, tier: TierName) -> bool:
+    """Whether the copy of `meta` in `tier` may be evicted: not pinned, acknowledged, and not
+    the only copy at its durability level (unless its kind is a cache). The store asks on every
+    change of its index (`eviction_block_reason` says why not, for messages)."""
+    if meta.pinned or not meta.acked:
+        return False
+    durability = meta.durability
+    if durability > Durability.MEMORY and not meta.cache and TIER_DURABILITY[tier] >= durability:
+        return any(t is not tier and TIER_DURABILITY[t] >= durability for t, _ in meta.resident)
+    return True
+
+
 def eviction_block_reason(meta: StateMeta, tier: TierName) -> str | None:
-    """Why the copy of `meta` in `tier` must not be evicted, or None if it may be: pinned,
-    unacknowledged, or the only copy at its durability level (unless its kind is a cache)."""
+    """Why the copy of `meta` in `tier` must not be evicted (`may_evict`), or None if it may be."""
+    if may_evict(meta, tier):
+        return None
     if meta.pinned:
         return "pinned"
     if not meta.acked:
         return "not yet acknowledged"
-    if meta.durability > Durability.MEMORY and not meta.cache and TIER_DURABILITY[tier] >= meta.durability:
-        others = [t for t in meta.tiers if t is not tier and TIER_DURABILITY[t] >= meta.durability]
-        if not others:
-            return f"the only {meta.durability.name} copy"
-    return None
+    return f"the only {meta.durability.name} copy"
 
 
 def take_until_covered(ordered: Sequence[StateMeta], need_bytes: int, tier: TierName) -> list[RecordKey]:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.base import Retention, StateSpec
-from statestore.policy import LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, required_tier
+from statestore.policy import LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, may_evict, required_tier
 from statestore.types import (
     DEFAULT_TIER_PROFILES,
     SHARED_TIERS,
@@ -283,17 +283,22 @@ class TieredStore:
         return OpenReport(indexed, discarded)
 
     def _index_scanned(self, header: RecordHeader, name: TierName) -> None:
-        created = header.created_at_ns / 1e9
-        meta = self._index.get(header.key) or StateMeta(
-            header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
-            acked=True, cache=self._is_cache(header.kind), created=created, last_access=created,
-            model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id,
-            token_start=header.token_start, token_end=header.token_end)
         # Scans give headers, not payloads: the tier prices the copy from its header (an estimate
         # below the tier's real footprint made evicting one record too little for a record of
         # the same size after a restart: a full SSD then refused every put).
-        meta = meta.evolve(durability=max(meta.durability, TIER_DURABILITY[name]))
-        self._set_meta(meta.with_copy(name, self._tiers[name].scanned_footprint(header)))
+        footprint = self._tiers[name].scanned_footprint(header)
+        meta = self._index.get(header.key)
+        if meta is None:  # the common case, built whole (start-up indexes every record this way)
+            created = header.created_at_ns / 1e9
+            meta = StateMeta(
+                header.key, header.kind, HEADER_SIZE + header.raw_length, self._retention(header.kind),
+                durability=TIER_DURABILITY[name], acked=True, cache=self._is_cache(header.kind),
+                resident=((name, footprint),), created=created, last_access=created,
+                model_fingerprint=header.model_fingerprint, tenant_id=header.tenant_id,
+                token_start=header.token_start, token_end=header.token_end)
+        else:
+            meta = meta.evolve(durability=max(meta.durability, TIER_DURABILITY[name])).with_copy(name, footprint)
+        self._set_meta(meta)
         self._event(EventKind.STORED, header.key, name, "scan")
 
     async def aclose(self) -> None:
@@ -802,9 +807,9 @@ class TieredStore:
             for queue in self._queues.values():
                 queue.remove(meta.key)
             return
-        tiers = meta.tiers
+        held = [t for t, _ in meta.resident]  # not `meta.tiers`: no frozenset on every put and hit
         for name, queue in self._queues.items():
-            if name in tiers and eviction_block_reason(meta, name) is None:
+            if name in held and may_evict(meta, name):
                 cost = costs[name] if costs is not None else self._tier_cost(name)
                 queue.insert(meta.key, self._invoker.eviction_score(meta, cost))
             else:

@@ -13,6 +13,7 @@ from statestore.policy import (
     PlacementPolicy,
     _PolicyInvoker,
     eviction_block_reason,
+    may_evict,
     required_tier,
 )
 from statestore.types import Durability, StateMeta, TierCost, TierName
@@ -102,6 +103,7 @@ def test_default_promotion_is_into_host() -> None:
 )
 def test_eviction_block_reason(m: StateMeta, tier: TierName, reason: str | None) -> None:
     assert eviction_block_reason(m, tier) == reason
+    assert may_evict(m, tier) is (reason is None)  # the store's check, without the message
 
 
 # ----- the invoker ---------------------------------------------------------------------------
