@@ -2,10 +2,11 @@
 snapshot a clean close saved (`tiers.ssd_snapshot`), against a full scan of every record's
 header on the same directory in the same run.
 
-    python -m bench.ssd_open [--quick] [--records N] [--dir DIR] [--rounds R] [--no-write]
+    python -m bench.ssd_open [--quick] [--records N[,N...]] [--dir DIR] [--rounds R] [--no-write]
 
 The directory is filled first with N small durable records of three kinds (puts through the
-tier, 32 in flight; `--dir` keeps it between runs and skips the fill when it already holds them).
+tier, 32 in flight; `--dir` keeps it between runs and only tops it up); several sizes are
+measured in ascending order on the same directory, each topping it up.
 Each round, alternately in both orders: a full scan (`index_snapshot=False`), and an open that
 reads the snapshot the close before it saved; the closes that save it are timed too. Pages of
 the directory are in the page cache for both (a start right after a stop, as a rolling restart
@@ -90,24 +91,30 @@ async def run(root: Path, records: int, rounds: int) -> dict[str, float | int | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="20,000 records, 2 rounds")
-    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--records", default="100000", help="record counts, comma-separated (default 100000)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="keep the filled directory here (reused if it holds the records)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results/ssd_open.json alone")
     args = parser.parse_args()
-    records, rounds = (20_000, 2) if args.quick else (args.records, args.rounds)
-    if records < 1 or rounds < 1:
+    try:
+        counts = [20_000] if args.quick else sorted(int(n) for n in args.records.split(","))
+    except ValueError:
+        parser.error(f"--records {args.records!r}: record counts, comma-separated")
+    rounds = 2 if args.quick else args.rounds
+    if min(counts) < 1 or rounds < 1:
         parser.error("--records and --rounds must be at least 1")
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench-ssd-open-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    rows = []
     try:
-        row = asyncio.run(run(work, records, rounds))
+        for count in counts:
+            rows.append(asyncio.run(run(work, count, rounds)))
+            print_table(rows[-1:])
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print_table([row])
     if not args.no_write:
-        path = write_results("ssd_open", device="cpu", params={"records": records, "rounds": rounds,
-                                                               "payload_bytes": PAYLOAD_BYTES}, rows=[row])
+        path = write_results("ssd_open", device="cpu", params={"records": counts, "rounds": rounds,
+                                                               "payload_bytes": PAYLOAD_BYTES}, rows=rows)
         print(f"wrote {path}")
 
 
