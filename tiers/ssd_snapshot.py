@@ -15,6 +15,9 @@ What keeps it safe (a snapshot must never hide what a full scan would find):
   the tier's back) is left out, and the next open scans it.
 - Open reads it and removes it (unlink, root fsynced) before the tier serves anything: a crash
   after that finds no snapshot and scans everything, as a crash always did.
+- A leaf changed in the last second before the close is left out too: a directory's mtime
+  comes from a coarse clock (a tick of a few ms), so a change right after the close could leave
+  the stamp as it was; a second's margin leaves none of them unseen.
 - Open compares each leaf's stamp with the one saved: a leaf in which anything was created,
   removed or renamed while no tier had it open is scanned file by file (and cleaned up as the
   scan does); the others' entries are taken from the snapshot. A snapshot that does not parse
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +47,7 @@ import xxhash
 from tiers import _fs
 from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header, encode_header
 
+SETTLE_NS = 1_000_000_000  # leaves changed this recently before a close are left to the next open's scan
 SNAPSHOT_FILE = "index.snapshot"
 SNAPSHOT_TEMP = SNAPSHOT_FILE + ".tmp"
 MAGIC = b"SSIDX\x00\x01\n"
@@ -169,7 +174,10 @@ def vouched(root: Path, now: dict[Leaf, LeafStamp], entries: Iterable[tuple[Reco
     for header, file_bytes in entries:
         by_leaf.setdefault((header.key[2], header.key[3]), []).append((header, file_bytes))
     stamps: dict[Leaf, LeafStamp] = {}
+    settled = time.time_ns() - SETTLE_NS
     for leaf, stamp in now.items():
+        if stamp[0] > settled:
+            continue
         if leaf in touched:
             names = os.listdir(root / f"{leaf[0]:02x}" / f"{leaf[1]:02x}")
             if sorted(names) == sorted(h.key.hex() + suffix for h, _ in by_leaf.get(leaf, ())):

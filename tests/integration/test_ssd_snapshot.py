@@ -7,9 +7,22 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import os
+
+import pytest
+
 from tests.integration.test_ssd_tier import as_built, assert_same, rec, record_path
+from tiers import ssd_snapshot
 from tiers.ssd import SSDTier
 from tiers.ssd_snapshot import SNAPSHOT_FILE
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests change leaves and close within a second: without the settling margin (the
+    coarse-clock guard, tested on its own below) the counts of leaves scanned are exact."""
+    if "keeps_the_margin" not in request.keywords:
+        monkeypatch.setattr(ssd_snapshot, "SETTLE_NS", 0)
 
 
 async def index_of(tier: SSDTier) -> dict[bytes, tuple[object, int]]:
@@ -179,5 +192,34 @@ async def test_an_open_without_snapshots_removes_one_so_it_never_goes_stale(tmp_
     try:
         assert tier.snapshot_use is not None and tier.snapshot_use.leaves_scanned is None
         assert await tier.contains([first.key, second.key]) == [True, True]
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.keeps_the_margin
+async def test_leaves_changed_just_before_the_close_are_left_to_the_next_scan(tmp_path: Path) -> None:
+    """A directory's mtime comes from a coarse clock: a change in the same tick as the close's
+    stamp would not show. Leaves changed within a second of the close are therefore scanned at
+    the next open, the others come from the snapshot."""
+    root = tmp_path / "ssd"
+    early, late = rec(1), rec(2)
+    assert record_path(root, early).parent != record_path(root, late).parent
+    tier = await SSDTier.create(root)
+    await tier.put(early)
+    await tier.aclose()
+    leaf = record_path(root, early).parent
+    long_ago = leaf.stat().st_mtime_ns - 5 * ssd_snapshot.SETTLE_NS
+    os.utime(leaf, ns=(long_ago, long_ago))  # as if `early` had been written long before the close
+    tier = await SSDTier.create(root)  # scans `early`'s leaf (left out by the close before); this close vouches for it
+    await tier.aclose()
+    tier = await SSDTier.create(root)
+    await tier.put(late)  # right before the close: `late`'s leaf is left out
+    await tier.aclose()
+
+    tier = await SSDTier.create(root)
+    try:
+        use = tier.snapshot_use
+        assert use is not None and use.leaves_scanned == 1  # `late`'s leaf only
+        assert await tier.contains([early.key, late.key]) == [True, True]
     finally:
         await tier.aclose()
