@@ -702,19 +702,19 @@ class _DirScan:
 
 @dataclass(frozen=True, slots=True)
 class SnapshotUse:
-    """What the last scan took from an index snapshot (`tiers.ssd_snapshot`): the records the
-    snapshot held, the leaf directories it scanned because they changed since (None: no
-    snapshot, everything scanned) and, then, why."""
+    """How the last scan indexed the tier: the records it took from an index snapshot
+    (`tiers.ssd_snapshot`) and the leaf directories it scanned because they changed since (or
+    just before the close); `leaves_scanned` None: no snapshot, every leaf scanned, `why_not` says why."""
 
-    snapshot_records: int
+    from_snapshot: int
     leaves_scanned: int | None
     why_not: str
 
     def describe(self, indexed: int) -> str:
         if self.leaves_scanned is None:
             return f"{indexed} records indexed by a full scan ({self.why_not})"
-        return (f"{indexed} records indexed from the snapshot of the last clean close ({self.snapshot_records} "
-                f"records), {self.leaves_scanned} leaf directories changed since and scanned")
+        return (f"{indexed} records indexed: {self.from_snapshot} from the snapshot the last clean close saved, "
+                f"the rest by scanning the {self.leaves_scanned} leaf directories changed since")
 
 
 def _write_snapshot(root: Path, entries: list[tuple[RecordHeader, int]], touched: set[ssd_snapshot.Leaf],
@@ -1838,7 +1838,7 @@ class SSDTier(Tier):
             discarded = spares.discarded + discarded
             # `_opened_stamps`: the leaves as this scan leaves them (it removes and quarantines),
             # what a clean close compares the leaves it did not change with (`ssd_snapshot.vouched`).
-            trusted: Iterable[tuple[RecordHeader, int]] = ()
+            trusted: list[tuple[RecordHeader, int]] = []
             if saved is None:
                 chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
                 scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
@@ -1846,10 +1846,11 @@ class SSDTier(Tier):
                 self._opened_stamps = await self._run(ssd_snapshot.leaf_stamps, root) if self._index_snapshot else None
             else:
                 stamps = await self._run(ssd_snapshot.leaf_stamps, root)
-                changed, trusted = ssd_snapshot.trusted_entries(saved, stamps)
+                changed, unchanged = ssd_snapshot.trusted_entries(saved, stamps)
+                trusted = list(unchanged)
                 chunks = [changed[i: i + SCAN_CHUNK * 16] for i in range(0, len(changed), SCAN_CHUNK * 16)]
                 scans = await asyncio.gather(*(self._run(_scan_leaves, self._layout, c) for c in chunks))
-                self.snapshot_use = SnapshotUse(saved.num_records, len(changed), "")
+                self.snapshot_use = SnapshotUse(len(trusted), len(changed), "")
                 self._opened_stamps = await self._run(ssd_snapshot.restamped, root, stamps, changed)
             for part in scans:
                 discarded.extend(part.discarded)

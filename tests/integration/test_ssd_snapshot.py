@@ -52,7 +52,7 @@ async def test_a_clean_close_lets_the_next_open_skip_every_header(tmp_path: Path
     try:
         assert not (root / SNAPSHOT_FILE).exists()  # taken before serving: a crash from here scans all
         use = tier.snapshot_use
-        assert use is not None and use.leaves_scanned == 0 and use.snapshot_records == 39
+        assert use is not None and use.leaves_scanned == 0 and use.from_snapshot == 39
         assert sorted(h.key for h in tier.last_scan.headers) == sorted(r.key for r in records[1:])
         assert tier.usage() == usage
         for r in records[1:]:
