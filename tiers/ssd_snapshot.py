@@ -94,25 +94,22 @@ def restamped(root: Path, stamps: dict[Leaf, LeafStamp], leaves: Iterable[Leaf])
 def leaf_stamps(root: Path) -> dict[Leaf, LeafStamp]:
     """(mtime_ns, inode) of every leaf directory root/<top>/<sub>/ that exists now."""
     stamps: dict[Leaf, LeafStamp] = {}
-    with os.scandir(root) as tops:
-        for top in tops:
-            if len(top.name) != 2 or not top.is_dir(follow_symlinks=False):
-                continue
-            try:
-                t = int(top.name, 16)
-            except ValueError:
-                continue
-            with os.scandir(top.path) as subs:
-                for sub in subs:
-                    if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                        continue
-                    try:
-                        s = int(sub.name, 16)
-                    except ValueError:
-                        continue
-                    st = sub.stat(follow_symlinks=False)
-                    stamps[(t, s)] = (st.st_mtime_ns, st.st_ino)
+    for top, top_entry in _fanout_dirs(root):
+        for sub, sub_entry in _fanout_dirs(top_entry.path):
+            st = sub_entry.stat(follow_symlinks=False)
+            stamps[(top, sub)] = (st.st_mtime_ns, st.st_ino)
     return stamps
+
+
+def _fanout_dirs(path: Path | str) -> Iterator[tuple[int, os.DirEntry[str]]]:
+    """The fan-out directories in `path` (two hex digits), with the byte each stands for."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
+                try:
+                    yield int(entry.name, 16), entry
+                except ValueError:
+                    continue
 
 
 def encode(stamps: dict[Leaf, LeafStamp], entries: Iterable[tuple[RecordHeader, int]]) -> bytes:
