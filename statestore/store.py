@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.base import Retention, StateSpec
-from statestore.policy import LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, may_evict, required_tier
+from statestore.policy import (LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, may_evict,
+                               required_tier)
 from statestore.types import (
     DEFAULT_TIER_PROFILES,
     SHARED_TIERS,
