@@ -39,7 +39,8 @@ async def fill(root: Path, records: int) -> float:
     """Put `records` records (kinds 1-3) unless the directory holds them; seconds taken."""
     tier = await SSDTier.create(root)
     try:
-        if len(tier._index) >= records:
+        have = tier.usage().num_records
+        if have >= records:
             return 0.0
         payload, started, in_flight = os.urandom(PAYLOAD_BYTES), time.perf_counter(), asyncio.Semaphore(32)
 
@@ -48,7 +49,7 @@ async def fill(root: Path, records: int) -> float:
                 await tier.put(make_record(1 + i % 3, 1, payload, model_fingerprint=b"b" * 16, tenant_id=bytes(16),
                                            block_key=struct.pack("<Q", i) + os.urandom(24)))
 
-        await asyncio.gather(*(put(i) for i in range(len(tier._index), records)))
+        await asyncio.gather(*(put(i) for i in range(have, records)))
         return time.perf_counter() - started
     finally:
         await tier.aclose()
@@ -60,7 +61,7 @@ async def timed_open(root: Path, *, snapshot: bool) -> tuple[float, float, int, 
     t0 = time.perf_counter()
     tier = await SSDTier.create(root, index_snapshot=snapshot)
     t1 = time.perf_counter()
-    indexed, use = len(tier._index), tier.snapshot_use
+    indexed, use = tier.usage().num_records, tier.snapshot_use
     await tier.aclose()
     return t1 - t0, time.perf_counter() - t1, indexed, None if use is None else use.leaves_scanned
 

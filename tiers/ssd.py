@@ -718,12 +718,13 @@ class SnapshotUse:
 
 
 def _write_snapshot(root: Path, entries: list[tuple[RecordHeader, int]], touched: set[ssd_snapshot.Leaf],
-                    opened: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp]) -> tuple[int, int, int]:
+                    opened: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp],
+                    buffers: _fs.IOBuffers) -> tuple[int, int, int]:
     """Worker thread: the snapshot of the leaves it may vouch for (`ssd_snapshot.vouched`);
     returns (leaves vouched for, leaves left out, bytes written)."""
     now = ssd_snapshot.leaf_stamps(root)
     stamps, vouched = ssd_snapshot.vouched(root, now, entries, touched, opened, RECORD_SUFFIX)
-    return len(stamps), len(now) - len(stamps), ssd_snapshot.write(root, stamps, vouched)
+    return len(stamps), len(now) - len(stamps), ssd_snapshot.write(root, stamps, vouched, buffers)
 
 
 def _list_root(root: Path) -> tuple[list[str], list[str]]:
@@ -1076,7 +1077,7 @@ class SSDTier(Tier):
             entries = [(entry.header, entry.file_bytes) for entry in self._index.values()]
             try:
                 kept, left_out, nbytes = await self._run(_write_snapshot, self._layout.root, entries,
-                                                         self._touched, self._opened_stamps)
+                                                         self._touched, self._opened_stamps, self._buffers)
             except OSError as exc:
                 logger.warning("ssd tier %s: index snapshot not written (%s): the next open scans every record",
                                self._layout.root, exc)
@@ -1184,7 +1185,7 @@ class SSDTier(Tier):
         index = self._index = {key: _Entry(header, size) for key, header, size in entries}
         block, extra, header_bytes = self._block_bytes, INDEX_ENTRY_BYTES, HEADER_SIZE
         sums: dict[int, list[int]] = {}
-        leaves: set[tuple[int, int]] = set()
+        leaves: set[ssd_snapshot.Leaf] = set()
         for key, entry in index.items():
             size = entry.file_bytes
             kind_sums = sums.get(entry.header.kind)
@@ -1193,7 +1194,7 @@ class SSDTier(Tier):
             kind_sums[0] += 1
             kind_sums[1] += size - header_bytes
             kind_sums[2] += -(-size // block) * block + extra - (size - header_bytes)
-            leaves.add((key[2], key[3]))
+            leaves.add(ssd_snapshot.leaf_of(key))
         self._tally = {kind: _KindTally(n, payload, overhead) for kind, (n, payload, overhead) in sums.items()}
         self._resident_bytes = sum(t.payload_bytes + t.overhead_bytes for t in self._tally.values())
         self._dirs.update(((f"{top:02x}", f"{sub:02x}"), True) for top, sub in leaves)
@@ -1202,13 +1203,13 @@ class SSDTier(Tier):
         self._index_remove(key)
         self._index[key] = entry
         self._count(entry, +1)
-        self._touched.add((key[2], key[3]))
+        self._touched.add(ssd_snapshot.leaf_of(key))
 
     def _index_remove(self, key: RecordKey) -> _Entry | None:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._count(entry, -1)
-            self._touched.add((key[2], key[3]))
+            self._touched.add(ssd_snapshot.leaf_of(key))
         return entry
 
     def _count(self, entry: _Entry, sign: int) -> None:

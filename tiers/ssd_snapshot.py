@@ -7,7 +7,7 @@ terabyte of 256-token blocks holds: minutes) during which the server does not se
 
 What keeps it safe (a snapshot must never hide what a full scan would find):
 - It is written only by a clean close, with the tier quiescent (no put or delete in flight),
-  as a temp file, fsynced, renamed into place, the root fsynced.
+  as a temp file, fdatasynced, renamed into place, the root fsynced (`_fs.write_durable`).
 - It vouches only for leaf directories whose files are exactly the records the index holds
   there: a leaf the tier changed since it opened is listed at close and its names compared with
   the index's keys; a leaf it did not change must carry the (mtime_ns, inode) stamp it had when
@@ -59,6 +59,11 @@ _ENTRY_BYTES = _ENTRY_SIZE.size + HEADER_SIZE
 
 Leaf = tuple[int, int]  # (top, sub) fan-out bytes: key[2], key[3]
 LeafStamp = tuple[int, int]  # (mtime_ns, inode)
+
+
+def leaf_of(key: bytes) -> Leaf:
+    """The leaf directory a record key lies in, as bytes (`SSDLayout.fanout` names it in hex)."""
+    return key[2], key[3]
 
 
 class SnapshotError(ValueError):
@@ -151,7 +156,7 @@ def decode(blob: bytes | memoryview) -> Snapshot:
             (file_bytes,) = _ENTRY_SIZE.unpack_from(body, at)
             header, _ = decode_header(body[at + _ENTRY_SIZE.size:at + _ENTRY_BYTES])
             at += _ENTRY_BYTES
-            leaf = (header.key[2], header.key[3])
+            leaf = leaf_of(header.key)
             if leaf not in leaves:
                 raise SnapshotError(f"entry {i} lies in a leaf the snapshot does not list")
             entries.setdefault(leaf, []).append((header, file_bytes))
@@ -169,7 +174,7 @@ def vouched(root: Path, now: dict[Leaf, LeafStamp], entries: Iterable[tuple[Reco
     the one it had at open (`opened`)."""
     by_leaf: dict[Leaf, list[tuple[RecordHeader, int]]] = {}
     for header, file_bytes in entries:
-        by_leaf.setdefault((header.key[2], header.key[3]), []).append((header, file_bytes))
+        by_leaf.setdefault(leaf_of(header.key), []).append((header, file_bytes))
     stamps: dict[Leaf, LeafStamp] = {}
     settled = time.time_ns() - SETTLE_NS
     for leaf, stamp in now.items():
@@ -184,20 +189,12 @@ def vouched(root: Path, now: dict[Leaf, LeafStamp], entries: Iterable[tuple[Reco
     return stamps, [entry for leaf in stamps for entry in by_leaf.get(leaf, ())]
 
 
-def write(root: Path, stamps: dict[Leaf, LeafStamp], entries: Iterable[tuple[RecordHeader, int]]) -> int:
-    """Write the snapshot durably (temp file, fsync, rename, root fsync); returns its bytes."""
+def write(root: Path, stamps: dict[Leaf, LeafStamp], entries: Iterable[tuple[RecordHeader, int]],
+          buffers: _fs.IOBuffers) -> int:
+    """Write the snapshot durably, as the tier replaces a record (`_fs.write_durable`: temp file,
+    fdatasync, rename, root fsync; `buffers` unused by a buffered write); returns its bytes."""
     blob = encode(stamps, entries)
-    temp = root / SNAPSHOT_TEMP
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, root / SNAPSHOT_FILE)
-    _fs.fsync_dir(root)
+    _fs.write_durable(root / SNAPSHOT_TEMP, root / SNAPSHOT_FILE, [blob], direct=False, buffers=buffers)
     return len(blob)
 
 

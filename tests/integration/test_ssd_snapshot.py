@@ -25,15 +25,15 @@ def settled_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(ssd_snapshot, "SETTLE_NS", 0)
 
 
-async def index_of(tier: SSDTier) -> dict[bytes, tuple[object, int]]:
+def index_of(tier: SSDTier) -> dict[bytes, tuple[object, int]]:
     return {key: (as_built(entry.header), entry.file_bytes) for key, entry in tier._index.items()}
 
 
-async def full_scan_of(root: Path) -> tuple[dict[bytes, tuple[object, int]], list[str]]:
-    """The index and discards of a tier that reads every header (and saves no snapshot)."""
+async def full_scan_of(root: Path) -> dict[bytes, tuple[object, int]]:
+    """The index of a tier that reads every header (and saves no snapshot)."""
     tier = await SSDTier.create(root, index_snapshot=False)
     try:
-        return await index_of(tier), list(tier.last_scan.discarded)
+        return index_of(tier)
     finally:
         await tier.aclose()
 
@@ -58,10 +58,10 @@ async def test_a_clean_close_lets_the_next_open_skip_every_header(tmp_path: Path
         for r in records[1:]:
             assert_same(await tier.get(r.key), r)
         assert await tier.get(records[0].key) is None
-        snapshot_index = await index_of(tier)
+        snapshot_index = index_of(tier)
     finally:
         await tier.aclose()
-    assert snapshot_index == (await full_scan_of(root))[0]
+    assert snapshot_index == await full_scan_of(root)
     scanned = await SSDTier.create(root, index_snapshot=False)
     try:
         assert scanned.usage() == usage  # a full scan's tallies: the same
@@ -95,10 +95,10 @@ async def test_changes_while_stopped_are_scanned_and_nothing_else(tmp_path: Path
         assert tier.last_scan.discarded == [f"{stray.relative_to(root)}: unexpected file name or directory (quarantined)"]
         assert await tier.contains([records[3].key, copied.key, records[7].key]) == [False, True, True]
         assert_same(await tier.get(copied.key), copied)
-        snapshot_index = await index_of(tier)
+        snapshot_index = index_of(tier)
     finally:
         await tier.aclose()
-    assert snapshot_index == (await full_scan_of(root))[0]
+    assert snapshot_index == await full_scan_of(root)
 
 
 async def test_changes_behind_a_running_tiers_back_are_left_to_the_next_scan(tmp_path: Path) -> None:
