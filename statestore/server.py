@@ -50,9 +50,9 @@ from statestore.sessions_service import SessionsServicer
 from statestore.shm import (ATTACHED, LENT_METADATA_KEY, METADATA_KEY, ShmAttachments, ShmSlots, ShmUnavailable,
                             ShmWindow, slot_views, write_slot, write_slot_header)
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
-from statestore.types import DEFAULT_TIER_PROFILES, TIER_ORDER, Durability, OpenReport, StateMeta, TierName
+from statestore.types import DEFAULT_TIER_PROFILES, Durability, OpenReport, StateMeta, TierName
 from statestore.wire import OFFLOAD_BYTES, encoded_size, frame_slices, join_parts_off_loop, record_frames
-from tiers.record import HEADER_SIZE, TENANT_BYTES, Record, RecordError, make_record_key, with_tenant
+from tiers.record import HEADER_SIZE, TENANT_BYTES, Record, RecordError, record_key_prefix, with_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -176,14 +176,16 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         """The record keys of a request's `block_keys` x `kinds` (Lookup, RequestDone), checked."""
         if len(request.block_keys) > MAX_KEYS:
             raise BadField(f"block_keys: {len(request.block_keys)} keys, at most {MAX_KEYS}")
-        for i, k in enumerate(request.block_keys):
+        block_keys = list(request.block_keys)  # (each read of a repeated field makes its bytes anew)
+        for i, k in enumerate(block_keys):
             if len(k) != 32:
                 raise BadField(f"block_keys[{i}]: a block key is 32 bytes, got {len(k)}")
         kinds = list(request.kinds) or [int(StateKind.GLOBAL_KV), int(StateKind.INDEX_K)]
         for i, kind in enumerate(kinds):
-            if kind not in {int(k) for k in StateKind}:
+            if kind not in _KNOWN_KINDS:
                 raise BadField(f"kinds[{i}]: unknown kind {kind}")
-        return [make_record_key(kind, bk) for bk in request.block_keys for kind in kinds], kinds
+        prefixes = [record_key_prefix(kind) for kind in kinds]  # (block keys are checked above)
+        return [prefix + bk for bk in block_keys for prefix in prefixes], kinds
 
     @unary
     async def Lookup(self, request: Any, context: Any, tenant: str) -> Any:
@@ -199,21 +201,21 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if request.model_fingerprint and len(request.model_fingerprint) != 16:
             raise BadField(f"model_fingerprint: 16 bytes, got {len(request.model_fingerprint)}")
         result = await self._store.lookup(keys)
+        width = len(kinds)
+        reach = max(result.combined, *result.per_tier.values(), 0)  # the keys any answer counts
+        metas = self._store.metas(keys[:reach])
         tid = tenant_id(tenant)
+        foreign = next((i for i, meta in enumerate(metas) if meta is not None and meta.tenant_id != tid), reach)
 
         def mine(n_keys: int) -> int:  # blocks of the prefix that are not another tenant's
-            for i in range(n_keys):
-                meta = self._store.meta(keys[i])
-                if meta is not None and meta.tenant_id != tid:
-                    return i // len(kinds)
-            return n_keys // len(kinds)
+            return min(n_keys, foreign) // width
 
         blocks = mine(result.combined)
-        loaded: dict[str, int] = {}
-        for key in keys[: blocks * len(kinds)]:
-            meta = self._store.meta(key)
-            tier = next((t for t in TIER_ORDER if meta is not None and t in meta.tiers), TierName.REDIS)
-            loaded[tier.value] = loaded.get(tier.value, 0) + (meta.size_bytes if meta else 0)
+        by_tier: dict[TierName, int] = {}
+        for meta in metas[: blocks * width]:  # bytes to load from each key's fastest tier
+            tier = meta.resident[0][0] if meta is not None and meta.resident else TierName.REDIS
+            by_tier[tier] = by_tier.get(tier, 0) + (meta.size_bytes if meta is not None else 0)
+        loaded = {tier.value: nbytes for tier, nbytes in by_tier.items()}
         est_load = sum(DEFAULT_TIER_PROFILES[TierName(t)].latency_s
                        + b / DEFAULT_TIER_PROFILES[TierName(t)].bandwidth_bytes_per_s for t, b in loaded.items())
         persisted = min(blocks * block_size, num_tokens)

@@ -651,18 +651,43 @@ class TieredStore:
     async def lookup(self, keys: Sequence[RecordKey]) -> LookupResult:
         """Longest stored prefix of `keys` in each tier, and across tiers (each key in any).
 
-        Local tiers answer from the index (acknowledged copies); shared tiers are asked (one
-        batch round trip; a tier that is down answers no hits).
+        Local tiers answer from the index (acknowledged copies), each scan stopping at its first
+        miss: a Lookup of a long chain (512 blocks for a 128K-token prompt) costs what its
+        stored prefix costs. Shared tiers are asked (one batch round trip; a tier that is down
+        answers no hits).
         """
         self._invoker.on_lookup(keys)  # a policy may learn where each key sits in a reader's chain
-        present: dict[TierName, list[bool]] = {}
-        for name in self._local_tiers():
-            present[name] = [self._has_copy(k, name) for k in keys]
-        for name in self._shared_tiers():
-            present[name] = await self._tiers[name].contains(keys)
-        per_tier = {name: _prefix_len(flags) for name, flags in present.items()}
-        combined = _prefix_len([any(flags[i] for flags in present.values()) for i in range(len(keys))])
-        return LookupResult(per_tier, combined)
+        shared = {name: await self._tiers[name].contains(keys) for name in self._shared_tiers()}
+        local = self._local_tiers()
+        per_tier = {name: self._held_prefix(keys, (name,)) for name in local}
+        held_locally = self._held_prefix(keys, local, max(per_tier.values(), default=0))
+        if shared:  # a key counts if a local tier or a shared one holds it
+            combined = _prefix_len([i < held_locally or any(flags[i] for flags in shared.values())
+                                    for i in range(len(keys))])
+        else:
+            combined = held_locally
+        per_tier.update((name, _prefix_len(flags)) for name, flags in shared.items())
+        return LookupResult({name: per_tier[name] for name in TIER_ORDER if name in per_tier}, combined)
+
+    def _held_prefix(self, keys: Sequence[RecordKey], names: Sequence[TierName], start: int = 0) -> int:
+        """How many of `keys`, from the first, have an acknowledged copy in one of `names`
+        (the first `start` known to have one)."""
+        index = self._index
+        for i in range(start, len(keys)):
+            meta = index.get(keys[i])
+            if meta is None or not meta.acked:
+                return i
+            for tier, _ in meta.resident:
+                if tier in names:
+                    break
+            else:
+                return i
+        return len(keys)
+
+    def metas(self, keys: Sequence[RecordKey]) -> list[StateMeta | None]:
+        """`meta` of each key (a Lookup reads a whole chain's)."""
+        index = self._index
+        return [index.get(key) for key in keys]
 
     def request_done(self, keys: Sequence[RecordKey], generated_tokens: int) -> None:
         """A reader's request over `keys` (as it looked them up) finished, having generated

@@ -70,11 +70,17 @@ class RecordError(ValueError):
 
 
 def make_record_key(kind_code: int, block_key: bytes) -> RecordKey:
-    if not 0 <= kind_code <= 0xFFFF:
-        raise ValueError(f"kind code {kind_code} outside 0..65535")
     if len(block_key) != KEY_BYTES:
         raise ValueError(f"block key must be {KEY_BYTES} bytes, got {len(block_key)}")
-    return RecordKey(kind_code.to_bytes(2, "big") + bytes(block_key))
+    return RecordKey(record_key_prefix(kind_code) + bytes(block_key))
+
+
+def record_key_prefix(kind_code: int) -> bytes:
+    """The bytes every record key of this kind starts with (its block key follows): a caller
+    that builds many keys of a few kinds checks and encodes each kind once."""
+    if not 0 <= kind_code <= 0xFFFF:
+        raise ValueError(f"kind code {kind_code} outside 0..65535")
+    return kind_code.to_bytes(2, "big")
 
 
 def split_record_key(key: bytes) -> tuple[int, BlockKey]:

@@ -6,6 +6,7 @@ in one-page slabs (no slab slack), so a host of budget N * HOST_FOOTPRINT holds 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import uuid
@@ -13,6 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine_adapter.base import Retention
 from statestore.keys import derive_tenant_salt, hash_block, make_model_fingerprint, tenant_id
@@ -225,6 +228,56 @@ async def test_lookup_longest_prefix_per_tier(stores: Callable[..., TieredStore]
     assert result.per_tier == {HOST: 1, SSD: 3}
     assert result.combined == 4
     assert (await store.lookup([])).combined == 0
+
+
+RESIDENCY = ("none", "host", "host+ssd", "ssd")  # where a chain's key is held (see `_place_chain`)
+
+
+async def _place_chain(store: TieredStore, residency: list[str]) -> list[RecordKey]:
+    keys = []
+    for i, where in enumerate(residency):
+        r = rec(i)
+        keys.append(r.key)
+        if where == "host":
+            await store.put(r)
+        elif where in ("host+ssd", "ssd"):
+            await store.put(r, Durability.LOCAL)  # host + ssd
+            if where == "ssd":
+                await store.evict(r.key, [HOST])
+    return keys
+
+
+def _reference_lookup(store: TieredStore, keys: list[RecordKey]) -> tuple[dict[TierName, int], int]:
+    """The definition: per tier, the leading keys with an acknowledged copy there; across tiers,
+    the leading keys with one anywhere."""
+    def prefix(held: Callable[[StateMeta], bool]) -> int:
+        n = 0
+        for key in keys:
+            meta = store.meta(key)
+            if meta is None or not meta.acked or not held(meta):
+                break
+            n += 1
+        return n
+    return {t: prefix(lambda m, t=t: t in m.tiers) for t in (HOST, SSD)}, prefix(lambda m: bool(m.tiers))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(residency=st.lists(st.sampled_from(RESIDENCY), max_size=9))
+def test_lookup_matches_its_definition_for_any_residency(residency: list[str], tmp_path: Path) -> None:
+    """Lookup's scans stop at each tier's first miss (a long chain costs its stored prefix):
+    whatever each key's residency, the answer is the definition's."""
+    async def check() -> None:
+        root = tmp_path / uuid.uuid4().hex
+        store = TieredStore(host=host_tier(16), ssd=await open_ssd(root))
+        try:
+            keys = await _place_chain(store, residency)
+            result = await store.lookup(keys)
+            assert (result.per_tier, result.combined) == _reference_lookup(store, keys)
+            assert list(result.per_tier) == [HOST, SSD]  # fastest first, as `TIER_ORDER`
+        finally:
+            await store.aclose()
+
+    asyncio.run(check())
 
 
 # ----- budgets, eviction, pins -------------------------------------------------------------------
