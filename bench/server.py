@@ -64,6 +64,7 @@ from typing import Any
 import grpc
 
 from bench.common import Floor, print_floors, print_table, write_results
+from engine_adapter.base import StateKind
 from statestore.allocator import keep_large_buffers_in_heap
 from statestore.client import ClientOptions, StateStoreClient
 from statestore.config import ServiceConfig
@@ -72,6 +73,8 @@ from statestore.spawn import spawn_serve, spawn_until_ready
 from statestore.types import Durability
 from statestore.wire import frame_slices
 from tiers.record import HEADER_SIZE, Record, make_record
+
+LOOKUP_KINDS = (int(StateKind.GLOBAL_KV), int(StateKind.INDEX_K))  # what a Lookup without `kinds` asks for
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 8 << 20
@@ -292,8 +295,25 @@ async def closed_loop(concurrency: int, seconds: float, make_call: Callable[[int
             "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
 
 
+LONG_CHAIN_BLOCKS = 512  # a 128K-token prompt at 256 tokens per block
+LONG_CHAIN_RECORD_BYTES = 4096  # its records' size: Lookup reads the index, never a payload
+
+
+async def store_chain(servers: Servers, blocks: int) -> list[bytes]:
+    """A chain of `blocks` block keys whose records (both kinds a Lookup asks for by default)
+    are stored in our server, as a returning session's are: Lookup then walks the whole chain."""
+    chain = [struct.pack("<QQ", 1 << 40, i) + bytes(16) for i in range(blocks)]
+    payload = os.urandom(LONG_CHAIN_RECORD_BYTES)
+    records = [make_record(kind, 1, payload, model_fingerprint=servers.fingerprint, tenant_id=bytes(16),
+                           block_key=block_key) for block_key in chain for kind in LOOKUP_KINDS]
+    async with StateStoreClient(f"127.0.0.1:{servers.ours_port}") as c:
+        for i in range(0, len(records), 256):
+            await c.put_records(records[i:i + 256], Durability.MEMORY)
+    return chain
+
+
 async def bench_lookup(servers: Servers, levels: list[int], seconds: float,
-                       chain: list[bytes]) -> list[dict[str, Any]]:
+                       chain: list[bytes], case: str = "lookup") -> list[dict[str, Any]]:
     from proto.statestore.v1 import statestore_pb2
 
     rows = []
@@ -309,7 +329,7 @@ async def bench_lookup(servers: Servers, levels: list[int], seconds: float,
             await c.aclose()
         for ch in channels:
             await ch.close()
-        rows.append({"case": "lookup", "clients": level, "ops_s": ours["ops_s"], "p50_ms": ours["p50_ms"],
+        rows.append({"case": case, "blocks": len(chain), "clients": level, "ops_s": ours["ops_s"], "p50_ms": ours["p50_ms"],
                      "p99_ms": ours["p99_ms"], "echo_ops_s": echo["ops_s"], "echo_p50_ms": echo["p50_ms"],
                      "echo_p99_ms": echo["p99_ms"], "ratio": ours["ops_s"] / echo["ops_s"]})
     return rows
@@ -411,6 +431,7 @@ TOPOLOGIES = {  # name: (how the servers start, the title its tables print under
 
 async def run(quick: bool, topologies: list[str], results_name: str = "server") -> None:
     levels = [1, 4, 16, 64]
+    long_levels = [1] if quick else [1, 16]
     sizes = [256 << 10, 1 << 20, 4 << 20]
     seconds = 1.0 if quick else 3.0
     total = (16 << 20) if quick else (64 << 20)
@@ -421,12 +442,18 @@ async def run(quick: bool, topologies: list[str], results_name: str = "server") 
             async with TOPOLOGIES[topology][0](sizes, total, Path(tmp)) as servers:
                 chain = [struct.pack("<Q", i) + bytes(24) for i in range(16)]
                 found = await bench_lookup(servers, levels, seconds, chain)
+                found += await bench_lookup(servers, long_levels, seconds,
+                                            await store_chain(servers, LONG_CHAIN_BLOCKS), "lookup_long")
                 found += [await bench_stream(servers, size, total, repeats) for size in sizes]
         rows += [{"topology": topology, **row} for row in found]
     for topology in topologies:
         print(f"\n== {topology}: {TOPOLOGIES[topology][1]}")
         print("Lookup (16-block chain) vs raw gRPC echo of the same request")
         print_table([r for r in rows if r["topology"] == topology and r["case"] == "lookup"],
+                    ["clients", "ops_s", "p50_ms", "p99_ms", "echo_ops_s", "echo_p50_ms", "echo_p99_ms", "ratio"])
+        print(f"Lookup of a stored {LONG_CHAIN_BLOCKS}-block chain (a 128K-token prompt's, both kinds) "
+              "vs raw gRPC echo of the same request")
+        print_table([r for r in rows if r["topology"] == topology and r["case"] == "lookup_long"],
                     ["clients", "ops_s", "p50_ms", "p99_ms", "echo_ops_s", "echo_p50_ms", "echo_p99_ms", "ratio"])
         print("Record streaming (1 MiB chunks) vs raw gRPC echo of the same bytes")
         print_table([r for r in rows if r["topology"] == topology and r["case"] == "stream"],
@@ -439,6 +466,7 @@ async def run(quick: bool, topologies: list[str], results_name: str = "server") 
     path = write_results(results_name, device="cpu",
                          params={"quick": quick, "topologies": topologies, "lookup_seconds": seconds,
                                  "stream_total_bytes": total, "chunk_bytes": CHUNK_BYTES, "clients": levels,
+                                 "long_chain_blocks": LONG_CHAIN_BLOCKS, "long_chain_clients": long_levels,
                                  "record_sizes": sizes, "engine": "mini", "repeats": repeats},
                          rows=rows, floors=floors)
     print(f"\nwrote {path}")
