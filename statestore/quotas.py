@@ -15,13 +15,15 @@ the quota and the numbers:
     Sessions.Create      `max_sessions`: live and checkpointed sessions of the tenant together
 
 Accounting. A tenant's bytes are the `size_bytes` (header + raw payload) of its records in
-this node's index, each counted once however many tiers hold a copy. They are read from the
-store's index at each check rather than kept in a ledger beside it, so nothing can drift:
-an eviction, a delete or a restart's re-index frees quota at once. A check costs one pass
-over the index, and only tenants with a `max_bytes` pay it. Puts in flight (their index
-entries are not yet `acked`) are counted by reservation instead, so concurrent puts of one
-tenant cannot together overshoot. Quotas are per node: records only a shared tier holds
-(written by another node) are not counted until this node indexes them.
+this node's index, each counted once however many tiers hold a copy. The store keeps them per
+tenant where its index changes (`TieredStore.acked_bytes`: updated where an entry is set and
+where one is dropped, the only two places), not in a ledger beside it, so nothing can drift:
+an eviction, a delete or a restart's re-index frees quota at once, and a check costs a dict
+lookup, not a pass over the index (which, with a million records, held every put of a tenant
+with `max_bytes` up for a noticeable part of a second). Puts in flight (their index entries
+are not yet `acked`) are counted by reservation instead, so concurrent puts of one tenant
+cannot together overshoot. Quotas are per node: records only a shared tier holds (written by
+another node) are not counted until this node indexes them.
 
 Isolation needs no help from here (auth.py, keys.py, server.py): a tenant's keys are MAC'd
 with its salt, and every per-record answer is filtered by tenant. The store-wide totals of
@@ -92,14 +94,8 @@ class TenantQuotas:
 
     @staticmethod
     def stored_bytes(store: TieredStore, tenant: str) -> int:
-        """Bytes of the tenant's acknowledged records in `store`'s index (one pass)."""
-        tid = tenant_id(tenant)
-        total = 0
-        for key in store.keys():
-            meta = store.meta(key)
-            if meta is not None and meta.acked and meta.tenant_id == tid:
-                total += meta.size_bytes
-        return total
+        """Bytes of the tenant's acknowledged records in `store`'s index."""
+        return store.acked_bytes(tenant_id(tenant))
 
     def used_bytes(self, store: TieredStore, tenant: str) -> int:
         """Stored bytes plus the bytes of the tenant's puts in flight."""

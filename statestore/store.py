@@ -253,6 +253,9 @@ class TieredStore:
         self._eviction_window = self._invoker.eviction_window(self._config.eviction_window)
         self._clock = clock
         self._index: dict[RecordKey, StateMeta] = {}
+        # Bytes of each tenant's acknowledged records in the index, kept by `_set_meta` and
+        # `_forget`, the only two places the index changes (`acked_bytes`).
+        self._acked_bytes: dict[bytes, int] = {}
         self._queues = {n: _EvictionQueue() for n in self._tiers}
         self._gate = KeyLocks()
         self._counters: dict[tuple[TierName, int], _Counters] = {}
@@ -784,6 +787,23 @@ class TieredStore:
     def keys(self) -> list[RecordKey]:
         return list(self._index)
 
+    def acked_bytes(self, tenant_id: bytes) -> int:
+        """`size_bytes` summed over the tenant's acknowledged records in the index (each once,
+        however many tiers hold it): what a byte quota counts, without a pass over the index."""
+        return self._acked_bytes.get(tenant_id, 0)
+
+    def _count_acked(self, old: StateMeta | None, new: StateMeta | None) -> None:
+        """`acked_bytes` as an index entry goes from `old` to `new` (None: absent)."""
+        totals = self._acked_bytes
+        if old is not None and old.acked:
+            left = totals[old.tenant_id] - old.size_bytes
+            if left:
+                totals[old.tenant_id] = left
+            else:
+                del totals[old.tenant_id]
+        if new is not None and new.acked:
+            totals[new.tenant_id] = totals.get(new.tenant_id, 0) + new.size_bytes
+
     def usage(self) -> dict[TierName, float]:
         """Fill of each tier in [0, 1] (0 for an unbounded tier)."""
         return {n: t.usage().fill for n, t in self._tiers.items()}
@@ -828,6 +848,7 @@ class TieredStore:
     def _set_meta(self, meta: StateMeta, costs: Mapping[TierName, TierCost] | None = None) -> None:
         """Store the entry and refresh its eviction-queue membership in every tier (`costs`: the
         tiers' costs as they are now, when the caller has them)."""
+        self._count_acked(self._index.get(meta.key), meta)
         self._index[meta.key] = meta
         if not meta.acked or meta.pinned:  # never evictable (`eviction_block_reason`): in no queue
             for queue in self._queues.values():
@@ -855,7 +876,7 @@ class TieredStore:
             self._forget(key)
 
     def _forget(self, key: RecordKey) -> None:
-        self._index.pop(key, None)
+        self._count_acked(self._index.pop(key, None), None)
         for queue in self._queues.values():
             queue.remove(key)
 

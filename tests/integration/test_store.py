@@ -280,6 +280,37 @@ def test_lookup_matches_its_definition_for_any_residency(residency: list[str], t
     asyncio.run(check())
 
 
+OPS = st.lists(st.tuples(st.sampled_from(("memory", "local", "evict-host", "evict")), st.integers(0, 5),
+                         st.sampled_from((ALICE, BOB)), st.sampled_from((PAGE // 2, PAGE))), max_size=24)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_acked_bytes_per_tenant_is_a_pass_over_the_index(ops: list[tuple[str, int, bytes, int]],
+                                                          tmp_path: Path) -> None:
+    """What a byte quota counts, kept where the index changes: after any puts (re-puts of other
+    sizes and tenants, LRU evictions from a 3-record host), explicit evictions and drops, each
+    tenant's `acked_bytes` is the sum over its acknowledged index entries."""
+    async def check() -> None:
+        store = TieredStore(host=host_tier(3), ssd=await open_ssd(tmp_path / uuid.uuid4().hex))
+        try:
+            for op, i, tenant, size in ops:
+                key = rec(i).key
+                if op in ("memory", "local"):
+                    await store.put(rec(i, tenant=tenant, size=size),
+                                    Durability.MEMORY if op == "memory" else Durability.LOCAL)
+                elif store.meta(key) is not None:
+                    await store.evict(key, [HOST] if op == "evict-host" else None, force=True)
+            for tenant in (ALICE, BOB):
+                metas = [store.meta(k) for k in store.keys()]
+                assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas
+                                                        if m is not None and m.acked and m.tenant_id == tenant)
+        finally:
+            await store.aclose()
+
+    asyncio.run(check())
+
+
 # ----- budgets, eviction, pins -------------------------------------------------------------------
 
 async def test_filling_host_evicts_in_exact_lru_order_and_residency_is_bytes_held(
