@@ -254,6 +254,7 @@ class SessionManager:
         self.adapter = adapter
         self.config = config
         self._live: dict[tuple[str, str], _Live] = {}
+        store.track_kind(MANIFEST_KIND)  # a tenant's manifests are found without a pass over the index
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._salts: dict[str, bytes] = {}
 
@@ -394,10 +395,7 @@ class SessionManager:
     async def _known_manifests(self, tenant: str) -> list[Manifest]:
         tid = tenant_id(tenant)
         out = []
-        for key in self.store.keys():
-            meta = self.store.meta(key)
-            if meta is None or meta.kind != MANIFEST_KIND or meta.tenant_id != tid:
-                continue
+        for key in self.store.keys_of_kind(tid, MANIFEST_KIND):
             record = await self.store.get(key, expect_tenant=tid)
             if record is not None:
                 out.append(Manifest.from_bytes(record.payload))

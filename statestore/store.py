@@ -254,8 +254,12 @@ class TieredStore:
         self._clock = clock
         self._index: dict[RecordKey, StateMeta] = {}
         # Bytes of each tenant's acknowledged records in the index, kept by `_set_meta` and
-        # `_forget`, the only two places the index changes (`acked_bytes`).
+        # `_forget`, the only two places the index changes (`acked_bytes`, `_count_entry`).
         self._acked_bytes: dict[bytes, int] = {}
+        # Keys per (tenant id, kind) of the kinds a caller asked to list (`track_kind`), kept
+        # the same way (dicts as ordered sets): a session layer finds its manifests without a pass.
+        self._listed: dict[tuple[bytes, int], dict[RecordKey, None]] = {}
+        self._listed_kinds: set[int] = set()
         self._queues = {n: _EvictionQueue() for n in self._tiers}
         self._gate = KeyLocks()
         self._counters: dict[tuple[TierName, int], _Counters] = {}
@@ -792,8 +796,28 @@ class TieredStore:
         however many tiers hold it): what a byte quota counts, without a pass over the index."""
         return self._acked_bytes.get(tenant_id, 0)
 
-    def _count_acked(self, old: StateMeta | None, new: StateMeta | None) -> None:
-        """`acked_bytes` as an index entry goes from `old` to `new` (None: absent)."""
+    def track_kind(self, kind: int) -> None:
+        """Keep the keys of every tenant's records of `kind` listed (`keys_of_kind`) from now on:
+        for a kind with few records that a caller must find by tenant (session manifests)."""
+        if kind in self._listed_kinds:
+            return
+        self._listed_kinds.add(kind)
+        for meta in self._index.values():
+            if meta.kind == kind:
+                self._listed.setdefault((meta.tenant_id, kind), {})[meta.key] = None
+
+    def keys_of_kind(self, tenant_id: bytes, kind: int) -> list[RecordKey]:
+        """The index's keys of the tenant's records of `kind` (acknowledged or in flight), a
+        kind `track_kind` listed: as a pass over the index would find them, without the pass."""
+        if kind not in self._listed_kinds:
+            raise ValueError(f"kind {kind} is not listed: call track_kind({kind}) first")
+        return list(self._listed.get((tenant_id, kind), ()))
+
+    def _count_entry(self, old: StateMeta | None, new: StateMeta | None) -> None:
+        """`acked_bytes` and the listed keys as an index entry goes from `old` to `new` (None:
+        absent)."""
+        if self._listed_kinds:
+            self._list_entry(old, new)
         totals = self._acked_bytes
         if old is not None and old.acked:
             left = totals[old.tenant_id] - old.size_bytes
@@ -803,6 +827,16 @@ class TieredStore:
                 del totals[old.tenant_id]
         if new is not None and new.acked:
             totals[new.tenant_id] = totals.get(new.tenant_id, 0) + new.size_bytes
+
+    def _list_entry(self, old: StateMeta | None, new: StateMeta | None) -> None:
+        if old is not None and old.kind in self._listed_kinds and \
+                (new is None or (new.tenant_id, new.kind) != (old.tenant_id, old.kind)):
+            keys = self._listed[(old.tenant_id, old.kind)]
+            del keys[old.key]
+            if not keys:
+                del self._listed[(old.tenant_id, old.kind)]
+        if new is not None and new.kind in self._listed_kinds:
+            self._listed.setdefault((new.tenant_id, new.kind), {})[new.key] = None
 
     def usage(self) -> dict[TierName, float]:
         """Fill of each tier in [0, 1] (0 for an unbounded tier)."""
@@ -848,7 +882,7 @@ class TieredStore:
     def _set_meta(self, meta: StateMeta, costs: Mapping[TierName, TierCost] | None = None) -> None:
         """Store the entry and refresh its eviction-queue membership in every tier (`costs`: the
         tiers' costs as they are now, when the caller has them)."""
-        self._count_acked(self._index.get(meta.key), meta)
+        self._count_entry(self._index.get(meta.key), meta)
         self._index[meta.key] = meta
         if not meta.acked or meta.pinned:  # never evictable (`eviction_block_reason`): in no queue
             for queue in self._queues.values():
@@ -876,7 +910,7 @@ class TieredStore:
             self._forget(key)
 
     def _forget(self, key: RecordKey) -> None:
-        self._count_acked(self._index.pop(key, None), None)
+        self._count_entry(self._index.pop(key, None), None)
         for queue in self._queues.values():
             queue.remove(key)
 

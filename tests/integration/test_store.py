@@ -281,30 +281,40 @@ def test_lookup_matches_its_definition_for_any_residency(residency: list[str], t
 
 
 OPS = st.lists(st.tuples(st.sampled_from(("memory", "local", "evict-host", "evict")), st.integers(0, 5),
-                         st.sampled_from((ALICE, BOB)), st.sampled_from((PAGE // 2, PAGE))), max_size=24)
+                         st.sampled_from((ALICE, BOB)), st.sampled_from((PAGE // 2, PAGE)), st.sampled_from((KV, 2))),
+               max_size=24)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS)
-def test_acked_bytes_per_tenant_is_a_pass_over_the_index(ops: list[tuple[str, int, bytes, int]],
-                                                          tmp_path: Path) -> None:
-    """What a byte quota counts, kept where the index changes: after any puts (re-puts of other
-    sizes and tenants, LRU evictions from a 3-record host), explicit evictions and drops, each
-    tenant's `acked_bytes` is the sum over its acknowledged index entries."""
+@given(ops=OPS, track_first=st.booleans())
+def test_per_tenant_bytes_and_listed_keys_are_a_pass_over_the_index(
+        ops: list[tuple[str, int, bytes, int, int]], track_first: bool, tmp_path: Path) -> None:
+    """What a byte quota counts and how a session layer finds its manifests, kept where the
+    index changes: after any puts (re-puts of other sizes, tenants and kinds, LRU evictions from
+    a 3-record host), explicit evictions and drops, each tenant's `acked_bytes` is the sum over
+    its acknowledged index entries and `keys_of_kind` lists its entries of a tracked kind, whether
+    the kind was tracked before the puts or after."""
     async def check() -> None:
-        store = TieredStore(host=host_tier(3), ssd=await open_ssd(tmp_path / uuid.uuid4().hex))
+        host = HostTier(3 * HOST_FOOTPRINT, {KV: PAGE, 2: PAGE}, slab_bytes=PAGE)
+        store = TieredStore(host=host, ssd=await open_ssd(tmp_path / uuid.uuid4().hex))
         try:
-            for op, i, tenant, size in ops:
-                key = rec(i).key
+            if track_first:
+                store.track_kind(2)
+            for op, i, tenant, size, kind in ops:
+                key = rec(i, kind=kind).key
                 if op in ("memory", "local"):
-                    await store.put(rec(i, tenant=tenant, size=size),
+                    await store.put(rec(i, tenant=tenant, size=size, kind=kind),
                                     Durability.MEMORY if op == "memory" else Durability.LOCAL)
                 elif store.meta(key) is not None:
                     await store.evict(key, [HOST] if op == "evict-host" else None, force=True)
+            store.track_kind(2)
+            metas = [m for m in (store.meta(k) for k in store.keys()) if m is not None]
             for tenant in (ALICE, BOB):
-                metas = [store.meta(k) for k in store.keys()]
-                assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas
-                                                        if m is not None and m.acked and m.tenant_id == tenant)
+                assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas if m.acked and m.tenant_id == tenant)
+                assert sorted(store.keys_of_kind(tenant, 2)) == sorted(m.key for m in metas
+                                                                       if m.kind == 2 and m.tenant_id == tenant)
+            with pytest.raises(ValueError, match="not listed"):
+                store.keys_of_kind(ALICE, KV)
         finally:
             await store.aclose()
 
