@@ -64,6 +64,7 @@ MAX_REGISTERED_MODELS = 1024  # fingerprints RegisterModel remembers: bounded, s
 _KNOWN_KINDS = frozenset(int(k) for k in StateKind)
 _ZERO_TENANT = bytes(TENANT_BYTES)
 _DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
+LIST_CHUNK = 16_384  # index entries a List reads between yields to the event loop
 TIER_PROBE_S = 1.0  # how often tiers that are down are probed (each tier paces its own retries too)
 
 
@@ -110,6 +111,10 @@ def _lent_bytes(i: int, start: common_pb2.RecordStart, lent: Any) -> int:
         raise BadField(f"record {i}: start.lent_bytes / lent_offset without lent memory ({LENT_METADATA_KEY})")
     _check_lent_range(f"record {i}", start.lent_offset, start.lent_bytes, start.total_bytes, lent)
     return start.lent_bytes
+
+
+def _created(meta: StateMeta) -> float:
+    return meta.created
 
 
 def _slot_bytes(total_bytes: int, into: _LentInto | None) -> int:
@@ -555,11 +560,20 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
         if limit > 100_000:
             raise BadField(f"limit: {limit} > 100000")
         tid = tenant_id(tenant)
-        metas = [m for k in self._store.keys() if (m := self._store.meta(k)) is not None
-                 and m.tenant_id == tid and (not request.kind or m.kind == request.kind)]
-        metas.sort(key=lambda m: m.created)
-        return statestore_pb2.ListResponse(records=[record_info(m) for m in metas[:limit]],
-                                           truncated=len(metas) > limit)
+        keys = self._store.keys()  # a snapshot: puts and evictions go on while it is read
+        oldest: list[StateMeta] = []
+        matched = 0
+        for start in range(0, len(keys), LIST_CHUNK):
+            chunk = [m for m in self._store.metas(keys[start:start + LIST_CHUNK]) if m is not None
+                     and m.tenant_id == tid and (not request.kind or m.kind == request.kind)]
+            matched += len(chunk)
+            if len(oldest) == limit:  # only what is older than the oldest `limit` so far can get in
+                cutoff = oldest[-1].created
+                chunk = [m for m in chunk if m.created < cutoff]
+            if chunk:
+                oldest = sorted([*oldest, *chunk], key=_created)[:limit]  # stable: ties keep the index's order
+            await asyncio.sleep(0)  # other calls run between chunks: a List of millions of records never stalls them
+        return statestore_pb2.ListResponse(records=[record_info(m) for m in oldest], truncated=matched > limit)
 
     @unary
     async def Inspect(self, request: Any, context: Any, tenant: str) -> Any:

@@ -142,6 +142,30 @@ async def test_pin_unpin_evict_list_inspect(alice: StateStoreClient, server: Sta
     assert (await alice.list_records(kind=2))[0] == []
 
 
+async def test_list_is_oldest_first_per_tenant_and_kind_across_chunks(
+        alice: StateStoreClient, bob: StateStoreClient, server: StateStoreServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """List reads the index in chunks, yielding between them; whatever the chunking, it answers
+    the caller's records of the kind asked, oldest first, the first `limit` of them."""
+    import statestore.server as server_module
+
+    monkeypatch.setattr(server_module, "LIST_CHUNK", 3)
+    mine = [record(server, i, 256, kind=1 + i % 2) for i in range(1, 12)]
+    for i, r in enumerate(mine):
+        await alice.put_records([r])
+        await bob.put_records([record(server, 100 + i, 256)])  # another tenant's, interleaved
+    everything, truncated = await alice.list_records(limit=1000)
+    assert [r.key for r in everything] == [r.key for r in mine] and not truncated  # oldest first
+    assert [r.created_at for r in everything] == sorted(r.created_at for r in everything)
+    first, truncated = await alice.list_records(limit=4)
+    assert [r.key for r in first] == [r.key for r in mine[:4]] and truncated
+    of_kind, truncated = await alice.list_records(kind=2, limit=3)
+    assert [r.key for r in of_kind] == [r.key for r in mine if r.header.kind == 2][:3] and truncated
+    kind_2 = sum(r.header.kind == 2 for r in mine)
+    exact, truncated = await alice.list_records(kind=2, limit=kind_2)
+    assert len(exact) == kind_2 and not truncated
+
+
 async def test_register_model_then_its_records_are_accepted(alice: StateStoreClient, server: StateStoreServer) -> None:
     specs = [{"kind": 1, "retention": 1, "codec": 1, "bytes_per_token": 100.0}]
     fp, hosted = await alice.register_model(model_name="other", weights_id="w1", config_json='{"layers": 4}',
