@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
 import heapq
 import logging
 import time
@@ -126,6 +127,19 @@ _REFUSAL = {
     TierName.REDIS: "Redis refused the write (out of memory? see the server log)",
     TierName.HOST: "the host tier refused the write",
 }
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off while a loop builds objects that all live on (start-up's index:
+    with it on, its repeated collections walked the growing index, ~2-3 us a record)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _EvictionQueue:
@@ -285,12 +299,15 @@ class TieredStore:
         discarded: dict[TierName, list[str]] = {}
         for name in self._local_tiers():
             result = await self._tiers[name].reindex()
-            for header in sorted(result.headers, key=lambda h: h.created_at_ns):
-                self._index_scanned(header, name)
+            costs = self._costs()  # the tier holds all it scanned: its costs stay as they are while indexing
+            with _collector_paused():
+                for header in sorted(result.headers, key=lambda h: h.created_at_ns):
+                    self._index_scanned(header, name, costs)
             indexed[name], discarded[name] = len(result.headers), list(result.discarded)
         return OpenReport(indexed, discarded)
 
-    def _index_scanned(self, header: RecordHeader, name: TierName) -> None:
+    def _index_scanned(self, header: RecordHeader, name: TierName,
+                       costs: Mapping[TierName, TierCost] | None = None) -> None:
         # Scans give headers, not payloads: the tier prices the copy from its header (an estimate
         # below the tier's real footprint made evicting one record too little for a record of
         # the same size after a restart: a full SSD then refused every put).
@@ -306,7 +323,7 @@ class TieredStore:
                 token_start=header.token_start, token_end=header.token_end)
         else:
             meta = meta.evolve(durability=max(meta.durability, TIER_DURABILITY[name])).with_copy(name, footprint)
-        self._set_meta(meta)
+        self._set_meta(meta, costs)
         self._event(EventKind.STORED, header.key, name, "scan")
 
     async def aclose(self) -> None:
