@@ -37,6 +37,7 @@ from replay import plan_replay
 from statestore import sessions as ss
 from statestore.allocator import keep_large_buffers_in_heap
 from statestore.auth import TokenAuth
+from statestore.collector import collector_paused
 from statestore.config import ServiceConfig
 from statestore.keys import make_model_fingerprint, tenant_id
 from statestore.messages import (MAX_KEYS, durability_of, record_info, record_key, record_keys, replay_info,
@@ -702,7 +703,8 @@ class StateStoreServer:
         secret = await asyncio.to_thread(load_secret, c.secret_path)
         self.adapter = await asyncio.to_thread(build_adapter, c.engine_preset, c.engine_seed)
         self.models.add(self.adapter.model_fingerprint)
-        self.store = await self._open_store()
+        with collector_paused():  # the index of every record held is built: nothing of it is garbage
+            self.store = await self._open_store()
         self.sessions = ss.SessionManager(self.quotas.guard(self.store), self.adapter, ss.SessionConfig(
             secret=secret, block_size=c.block_size, durability=Durability[c.durability.upper()],
             default_mode=c.default_mode, keep_rings_ttl_s=c.keep_rings_ttl_s or None))

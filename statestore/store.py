@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import gc
 import heapq
 import logging
 import time
@@ -42,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.base import Retention, StateSpec
+from statestore.collector import collector_paused
 from statestore.policy import (LRUPolicy, PlacementPolicy, _PolicyInvoker, eviction_block_reason, may_evict,
                                required_tier)
 from statestore.types import (
@@ -127,19 +127,6 @@ _REFUSAL = {
     TierName.REDIS: "Redis refused the write (out of memory? see the server log)",
     TierName.HOST: "the host tier refused the write",
 }
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The garbage collector off while a loop builds objects that all live on (start-up's index:
-    with it on, its repeated collections walked the growing index, ~2-3 us a record)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _EvictionQueue:
@@ -300,7 +287,7 @@ class TieredStore:
         for name in self._local_tiers():
             result = await self._tiers[name].reindex()
             costs = self._costs()  # the tier holds all it scanned: its costs stay as they are while indexing
-            with _collector_paused():
+            with collector_paused():  # (statestore/collector.py)
                 for header in sorted(result.headers, key=lambda h: h.created_at_ns):
                     self._index_scanned(header, name, costs)
             indexed[name], discarded[name] = len(result.headers), list(result.discarded)
