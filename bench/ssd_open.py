@@ -10,7 +10,8 @@ measured in ascending order on the same directory, each topping it up.
 Each round, alternately in both orders: a full scan (`index_snapshot=False`), and an open that
 reads the snapshot the close before it saved; the closes that save it are timed too. Pages of
 the directory are in the page cache for both (a start right after a stop, as a rolling restart
-does); a cold start reads more from the device on both sides. No floor: the issue asks that the
+does); a cold start reads more from the device on both sides. Both open with the cyclic garbage
+collector paused, as `statestore serve` opens its store. No floor: the issue asks that the
 layout scale to millions of records; this says what a restart costs at a given size.
 """
 
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import print_table, write_results
+from statestore.collector import collector_paused
 from tiers.record import make_record
 from tiers.ssd import SSDTier
 from tiers import ssd_snapshot
@@ -59,7 +61,8 @@ async def timed_open(root: Path, *, snapshot: bool) -> tuple[float, float, int, 
     """(open seconds, close seconds, records indexed, leaf directories the open scanned: None
     for all of them)."""
     t0 = time.perf_counter()
-    tier = await SSDTier.create(root, index_snapshot=snapshot)
+    with collector_paused():  # as `statestore serve` opens its store (statestore/collector.py)
+        tier = await SSDTier.create(root, index_snapshot=snapshot)
     t1 = time.perf_counter()
     indexed, use = tier.usage().num_records, tier.snapshot_use
     await tier.aclose()
