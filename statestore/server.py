@@ -573,7 +573,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 chunk = [m for m in chunk if m.created < cutoff]
             if chunk:
                 oldest = sorted([*oldest, *chunk], key=_created)[:limit]  # stable: ties keep the index's order
-            await asyncio.sleep(0)  # other calls run between chunks: a List of millions of records never stalls them
+            await asyncio.sleep(0)  # other calls run between chunks: the loop is held a chunk at a time, not a pass
         return statestore_pb2.ListResponse(records=[record_info(m) for m in oldest], truncated=matched > limit)
 
     @unary

@@ -716,10 +716,6 @@ class TieredStore:
             if meta is not None and meta.acked and not meta.pinned and meta.tiers:
                 self._set_meta(meta, costs)
 
-    def _has_copy(self, key: RecordKey, name: TierName) -> bool:
-        meta = self._index.get(key)
-        return meta is not None and meta.acked and name in meta.tiers
-
     def pin(self, key: RecordKey) -> bool:
         """Protect the record from eviction in every tier (in this process). False if unknown."""
         return self._set_pinned(key, True)
