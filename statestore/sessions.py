@@ -392,6 +392,14 @@ class SessionManager:
             ids.add(manifest.session_id)
         return [await self.get(tenant, sid) for sid in sorted(ids)]
 
+    def count(self, tenant: str) -> int:
+        """How many sessions `list` would list, from the index alone (no manifest is read): a
+        `max_sessions` check on every Create. (A manifest that no longer reads is counted here
+        and not listed there.)"""
+        keys = set(self.store.keys_of_kind(tenant_id(tenant), MANIFEST_KIND))
+        keys.update(self._manifest_key(tenant, sid) for (t, sid) in self._live if t == tenant)
+        return len(keys)
+
     async def _known_manifests(self, tenant: str) -> list[Manifest]:
         tid = tenant_id(tenant)
         out = []

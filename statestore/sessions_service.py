@@ -36,7 +36,7 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
             return session_info(await self._sessions.create(tenant, request.session_id))
 
     async def _count_sessions(self, tenant: str) -> int:
-        return len(await self._sessions.list(tenant))
+        return self._sessions.count(tenant)
 
     @unary
     async def Append(self, request: Any, context: Any, tenant: str) -> Any:

@@ -570,6 +570,32 @@ async def test_bad_session_ids_are_refused_everywhere(open_node: OpenNode, tmp_p
     assert files_by_kind(tmp_path) == {}
 
 
+async def test_count_is_what_list_lists_without_reading_a_manifest(open_node: OpenNode, tmp_path: Path) -> None:
+    """`count` (the `max_sessions` check) agrees with `list` through a session's life: live only,
+    checkpointed and live, checkpointed and dropped, deleted; another tenant's never counted."""
+    node = await open_node(tmp_path)
+    sessions = node.sessions
+
+    async def agree(expected: int) -> None:
+        assert sessions.count(TENANT) == len(await sessions.list(TENANT)) == expected
+
+    await agree(0)
+    await start_session(node, "live", [make_tokens(20)])
+    await agree(1)
+    await start_session(node, "kept", [make_tokens(20)])
+    await sessions.checkpoint(TENANT, "kept")
+    await agree(2)
+    await sessions.drop(TENANT, "kept")  # checkpointed only
+    await agree(2)
+    await sessions.create("intruder", "other")
+    await agree(2)
+    assert sessions.count("intruder") == len(await sessions.list("intruder")) == 1
+    await sessions.delete(TENANT, "kept")
+    await agree(1)
+    await sessions.delete(TENANT, "live")
+    await agree(0)
+
+
 async def test_unknown_sessions_are_not_found_and_tenants_do_not_see_each_other(open_node: OpenNode,
                                                                                tmp_path: Path) -> None:
     node = await open_node(tmp_path)
