@@ -372,25 +372,28 @@ class SessionManager:
 
     async def get(self, tenant: str, session_id: str) -> SessionInfo:
         self.check_session_id(session_id)
-        live = self._live.get((tenant, session_id))
-        manifest = await self._load_manifest(tenant, session_id)
-        if live is None and manifest is None:
+        return self._info(session_id, self._live.get((tenant, session_id)),
+                          await self._load_manifest(tenant, session_id))
+
+    def _info(self, session_id: str, live: _Live | None, manifest: Manifest | None) -> SessionInfo:
+        """What `get` says of a session that is live, checkpointed, or both (SessionNotFound: neither)."""
+        if live is not None:
+            num_tokens, boundaries = self.adapter.num_tokens(live.state), tuple(live.boundaries)
+        elif manifest is not None:
+            num_tokens, boundaries = manifest.num_tokens, manifest.message_boundaries
+        else:
             raise SessionNotFound(f"no session {session_id!r}")
-        return SessionInfo(
-            session_id=session_id,
-            num_tokens=self.adapter.num_tokens(live.state) if live else manifest.num_tokens,
-            live=live is not None,
-            checkpoint_version=manifest.version if manifest else None,
-            checkpointed_tokens=manifest.num_tokens if manifest else None,
-            message_boundaries=tuple(live.boundaries) if live else manifest.message_boundaries,
-        )
+        return SessionInfo(session_id=session_id, num_tokens=num_tokens, live=live is not None,
+                           checkpoint_version=manifest.version if manifest else None,
+                           checkpointed_tokens=manifest.num_tokens if manifest else None,
+                           message_boundaries=boundaries)
 
     async def list(self, tenant: str) -> list[SessionInfo]:
-        """Live sessions and checkpointed ones this node's store knows of, sorted by id."""
-        ids = {sid for (t, sid) in self._live if t == tenant}
-        for manifest in await self._known_manifests(tenant):
-            ids.add(manifest.session_id)
-        return [await self.get(tenant, sid) for sid in sorted(ids)]
+        """Live sessions and checkpointed ones this node's store knows of, sorted by id (each
+        manifest read once)."""
+        manifests = {m.session_id: m for m in await self._known_manifests(tenant)}
+        ids = {sid for (t, sid) in self._live if t == tenant} | set(manifests)
+        return [self._info(sid, self._live.get((tenant, sid)), manifests.get(sid)) for sid in sorted(ids)]
 
     def count(self, tenant: str) -> int:
         """How many sessions `list` would list, from the index alone (no manifest is read): a
