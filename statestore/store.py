@@ -818,6 +818,9 @@ class TieredStore:
         absent)."""
         if self._listed_kinds:
             self._list_entry(old, new)
+        if old is not None and new is not None and (old.acked, old.size_bytes, old.tenant_id) == \
+                (new.acked, new.size_bytes, new.tenant_id):
+            return  # most updates (a hit's access time, a copy placed): the totals stay as they are
         totals = self._acked_bytes
         if old is not None and old.acked:
             left = totals[old.tenant_id] - old.size_bytes
