@@ -132,27 +132,34 @@ _REFUSAL = {
 class _EvictionQueue:
     """A heap of (score, sequence, key) with lazy invalidation (kvcr's `_EvictionQueue`).
 
-    A key's live entry is the last one inserted; equal scores leave in insertion order.
+    A key's live entry is the last one inserted; equal scores leave in insertion order. The
+    queue of a tier holds exactly its evictable copies, so it also sums their bytes
+    (`evictable_bytes`): what a refused put's message reports without a pass over the index.
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, RecordKey]] = []
         self._live: dict[RecordKey, tuple[float, int]] = {}
+        self._bytes: dict[RecordKey, int] = {}
         self._seq = 0
+        self.evictable_bytes = 0
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def insert(self, key: RecordKey, score: float) -> None:
+    def insert(self, key: RecordKey, score: float, nbytes: int) -> None:
         self._seq += 1
         self._live[key] = (score, self._seq)
+        self.evictable_bytes += nbytes - self._bytes.get(key, 0)
+        self._bytes[key] = nbytes
         heapq.heappush(self._heap, (score, self._seq, key))
         if len(self._heap) > 4 * len(self._live) + 64:  # bound the stale entries
             self._heap = [(s, q, k) for k, (s, q) in self._live.items()]
             heapq.heapify(self._heap)
 
     def remove(self, key: RecordKey) -> None:
-        self._live.pop(key, None)
+        if self._live.pop(key, None) is not None:
+            self.evictable_bytes -= self._bytes.pop(key)
 
     def ordered(self) -> Iterator[RecordKey]:
         """Live keys in score order; close the generator to put the visited ones back."""
@@ -422,8 +429,7 @@ class TieredStore:
                 f"records resident, no {name.value} byte budget configured. Free space or evict records, and "
                 f"configure a {name.value} budget below the medium's capacity so that the store evicts before "
                 f"the medium fills", tier=name, budget_bytes=0, need_bytes=need)
-        protected = sum(m.resident_bytes(name) for m in self._index.values()
-                        if name in m.tiers and eviction_block_reason(m, name) is not None)
+        protected = max(0, usage.resident_bytes - self.evictable_bytes(name))
         return BudgetExceeded(
             f"{name.value} tier budget of {usage.budget_bytes} B cannot fit {need} B for record {key}: "
             f"{usage.resident_bytes} B resident, {protected} B of it pinned, unacknowledged or the only "
@@ -791,6 +797,11 @@ class TieredStore:
     def keys(self) -> list[RecordKey]:
         return list(self._index)
 
+    def evictable_bytes(self, tier: TierName) -> int:
+        """Bytes of the copies in `tier` that the store may evict now (`policy.may_evict`: not
+        pinned, acknowledged, not the only durable copy), as its eviction queue sums them."""
+        return self._queues[tier].evictable_bytes
+
     def acked_bytes(self, tenant_id: bytes) -> int:
         """`size_bytes` summed over the tenant's acknowledged records in the index (each once,
         however many tiers hold it): what a byte quota counts, without a pass over the index."""
@@ -895,7 +906,7 @@ class TieredStore:
         for name, queue in self._queues.items():
             if name in held and may_evict(meta, name):
                 cost = costs[name] if costs is not None else self._tier_cost(name)
-                queue.insert(meta.key, self._invoker.eviction_score(meta, cost))
+                queue.insert(meta.key, self._invoker.eviction_score(meta, cost), meta.resident_bytes(name))
             else:
                 queue.remove(meta.key)
 

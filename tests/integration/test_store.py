@@ -7,6 +7,7 @@ in one-page slabs (no slab slack), so a host of budget N * HOST_FOOTPRINT holds 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine_adapter.base import Retention
 from statestore.keys import derive_tenant_salt, hash_block, make_model_fingerprint, tenant_id
-from statestore.policy import LRUPolicy
+from statestore.policy import LRUPolicy, eviction_block_reason
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore
 from statestore.types import Durability, EventKind, StateMeta, TierCost, TierName
 from tiers.host import HostTier
@@ -280,20 +281,22 @@ def test_lookup_matches_its_definition_for_any_residency(residency: list[str], t
     asyncio.run(check())
 
 
-OPS = st.lists(st.tuples(st.sampled_from(("memory", "local", "evict-host", "evict")), st.integers(0, 5),
+OPS = st.lists(st.tuples(st.sampled_from(("memory", "local", "get", "evict-host", "evict", "pin", "unpin")),
+                         st.integers(0, 5),
                          st.sampled_from((ALICE, BOB)), st.sampled_from((PAGE // 2, PAGE)), st.sampled_from((KV, 2))),
                max_size=24)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, track_first=st.booleans())
-def test_per_tenant_bytes_and_listed_keys_are_a_pass_over_the_index(
+def test_per_tenant_bytes_listed_keys_and_evictable_bytes_are_a_pass_over_the_index(
         ops: list[tuple[str, int, bytes, int, int]], track_first: bool, tmp_path: Path) -> None:
-    """What a byte quota counts and how a session layer finds its manifests, kept where the
-    index changes: after any puts (re-puts of other sizes, tenants and kinds, LRU evictions from
-    a 3-record host), explicit evictions and drops, each tenant's `acked_bytes` is the sum over
-    its acknowledged index entries and `keys_of_kind` lists its entries of a tracked kind, whether
-    the kind was tracked before the puts or after."""
+    """What a byte quota counts, how a session layer finds its manifests and what a refused put
+    reports, kept where the index changes: after any puts (re-puts of other sizes, tenants and
+    kinds, LRU evictions from a 3-record host, refusals), hits, pins, explicit evictions and drops,
+    each tenant's `acked_bytes` is the sum over its acknowledged index entries, `keys_of_kind`
+    lists its entries of a tracked kind (tracked before the puts or after), and each tier's
+    `evictable_bytes` sums the copies there that no pin, acknowledgement or durability protects."""
     async def check() -> None:
         host = HostTier(3 * HOST_FOOTPRINT, {KV: PAGE, 2: PAGE}, slab_bytes=PAGE)
         store = TieredStore(host=host, ssd=await open_ssd(tmp_path / uuid.uuid4().hex))
@@ -303,8 +306,15 @@ def test_per_tenant_bytes_and_listed_keys_are_a_pass_over_the_index(
             for op, i, tenant, size, kind in ops:
                 key = rec(i, kind=kind).key
                 if op in ("memory", "local"):
-                    await store.put(rec(i, tenant=tenant, size=size, kind=kind),
-                                    Durability.MEMORY if op == "memory" else Durability.LOCAL)
+                    with contextlib.suppress(BudgetExceeded):  # a host full of pinned records refuses
+                        await store.put(rec(i, tenant=tenant, size=size, kind=kind),
+                                        Durability.MEMORY if op == "memory" else Durability.LOCAL)
+                elif op == "get":
+                    await store.get(key)  # a hit re-queues the copies it touched
+                elif op == "pin":
+                    store.pin(key)
+                elif op == "unpin":
+                    store.unpin(key)
                 elif store.meta(key) is not None:
                     await store.evict(key, [HOST] if op == "evict-host" else None, force=True)
             store.track_kind(2)
@@ -313,6 +323,9 @@ def test_per_tenant_bytes_and_listed_keys_are_a_pass_over_the_index(
                 assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas if m.acked and m.tenant_id == tenant)
                 assert sorted(store.keys_of_kind(tenant, 2)) == sorted(m.key for m in metas
                                                                        if m.kind == 2 and m.tenant_id == tenant)
+            for tier in (HOST, SSD):  # what a refused put's message counts as protected, without a pass
+                assert store.evictable_bytes(tier) == sum(m.resident_bytes(tier) for m in metas if tier in m.tiers
+                                                          and eviction_block_reason(m, tier) is None)
             with pytest.raises(ValueError, match="not listed"):
                 store.keys_of_kind(ALICE, KV)
         finally:
