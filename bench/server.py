@@ -329,9 +329,9 @@ async def bench_lookup(servers: Servers, levels: list[int], seconds: float,
             await c.aclose()
         for ch in channels:
             await ch.close()
-        rows.append({"case": case, "blocks": len(chain), "clients": level, "ops_s": ours["ops_s"], "p50_ms": ours["p50_ms"],
-                     "p99_ms": ours["p99_ms"], "echo_ops_s": echo["ops_s"], "echo_p50_ms": echo["p50_ms"],
-                     "echo_p99_ms": echo["p99_ms"], "ratio": ours["ops_s"] / echo["ops_s"]})
+        rows.append({"case": case, "blocks": len(chain), "clients": level, "ops_s": ours["ops_s"],
+                     "p50_ms": ours["p50_ms"], "p99_ms": ours["p99_ms"], "echo_ops_s": echo["ops_s"],
+                     "echo_p50_ms": echo["p50_ms"], "echo_p99_ms": echo["p99_ms"], "ratio": ours["ops_s"] / echo["ops_s"]})
     return rows
 
 
