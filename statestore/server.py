@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import operator
 import os
 import signal
 import time
@@ -66,6 +67,7 @@ _KNOWN_KINDS = frozenset(int(k) for k in StateKind)
 _ZERO_TENANT = bytes(TENANT_BYTES)
 _DELIVER_MIN_BYTES = 4 << 20  # shm gets of records this large let the SSD tier deliver into the slot
 LIST_CHUNK = 16_384  # index entries a List reads between yields to the event loop
+_CREATED = operator.attrgetter("created")  # List's order: oldest first
 TIER_PROBE_S = 1.0  # how often tiers that are down are probed (each tier paces its own retries too)
 
 
@@ -112,10 +114,6 @@ def _lent_bytes(i: int, start: common_pb2.RecordStart, lent: Any) -> int:
         raise BadField(f"record {i}: start.lent_bytes / lent_offset without lent memory ({LENT_METADATA_KEY})")
     _check_lent_range(f"record {i}", start.lent_offset, start.lent_bytes, start.total_bytes, lent)
     return start.lent_bytes
-
-
-def _created(meta: StateMeta) -> float:
-    return meta.created
 
 
 def _slot_bytes(total_bytes: int, into: _LentInto | None) -> int:
@@ -572,7 +570,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                 cutoff = oldest[-1].created
                 chunk = [m for m in chunk if m.created < cutoff]
             if chunk:
-                oldest = sorted([*oldest, *chunk], key=_created)[:limit]  # stable: ties keep the index's order
+                oldest = sorted([*oldest, *chunk], key=_CREATED)[:limit]  # stable: ties keep the index's order
             await asyncio.sleep(0)  # other calls run between chunks: the loop is held a chunk at a time, not a pass
         return statestore_pb2.ListResponse(records=[record_info(m) for m in oldest], truncated=matched > limit)
 

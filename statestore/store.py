@@ -139,8 +139,7 @@ class _EvictionQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, RecordKey]] = []
-        self._live: dict[RecordKey, tuple[float, int]] = {}
-        self._bytes: dict[RecordKey, int] = {}
+        self._live: dict[RecordKey, tuple[float, int, int]] = {}  # key -> (score, sequence, bytes)
         self._seq = 0
         self.evictable_bytes = 0
 
@@ -149,17 +148,18 @@ class _EvictionQueue:
 
     def insert(self, key: RecordKey, score: float, nbytes: int) -> None:
         self._seq += 1
-        self._live[key] = (score, self._seq)
-        self.evictable_bytes += nbytes - self._bytes.get(key, 0)
-        self._bytes[key] = nbytes
+        old = self._live.get(key)
+        self._live[key] = (score, self._seq, nbytes)
+        self.evictable_bytes += nbytes - (old[2] if old is not None else 0)
         heapq.heappush(self._heap, (score, self._seq, key))
         if len(self._heap) > 4 * len(self._live) + 64:  # bound the stale entries
-            self._heap = [(s, q, k) for k, (s, q) in self._live.items()]
+            self._heap = [(s, q, k) for k, (s, q, _) in self._live.items()]
             heapq.heapify(self._heap)
 
     def remove(self, key: RecordKey) -> None:
-        if self._live.pop(key, None) is not None:
-            self.evictable_bytes -= self._bytes.pop(key)
+        live = self._live.pop(key, None)
+        if live is not None:
+            self.evictable_bytes -= live[2]
 
     def ordered(self) -> Iterator[RecordKey]:
         """Live keys in score order; close the generator to put the visited ones back."""
@@ -167,7 +167,8 @@ class _EvictionQueue:
         try:
             while self._heap:
                 item = heapq.heappop(self._heap)
-                if self._live.get(item[2]) != item[:2]:
+                live = self._live.get(item[2])
+                if live is None or live[1] != item[1]:  # stale: the key was removed or inserted since
                     continue
                 visited.append(item)
                 yield item[2]
@@ -683,8 +684,8 @@ class TieredStore:
                                     for i in range(len(keys))])
         else:
             combined = held_locally
-        per_tier.update((name, _prefix_len(flags)) for name, flags in shared.items())
-        return LookupResult({name: per_tier[name] for name in TIER_ORDER if name in per_tier}, combined)
+        per_tier.update((name, _prefix_len(flags)) for name, flags in shared.items())  # (fastest first, as TIER_ORDER)
+        return LookupResult(per_tier, combined)
 
     def _held_prefix(self, keys: Sequence[RecordKey], names: Sequence[TierName], start: int = 0) -> int:
         """How many of `keys`, from the first, have an acknowledged copy in one of `names`
@@ -843,14 +844,16 @@ class TieredStore:
             totals[new.tenant_id] = totals.get(new.tenant_id, 0) + new.size_bytes
 
     def _list_entry(self, old: StateMeta | None, new: StateMeta | None) -> None:
-        if old is not None and old.kind in self._listed_kinds and \
-                (new is None or (new.tenant_id, new.kind) != (old.tenant_id, old.kind)):
+        """A listed kind's key joins its (tenant, kind) list when its entry appears and leaves it
+        when the entry goes; between, neither changes (the kind is in the key, and every update
+        of an entry keeps its tenant)."""
+        if old is None and new is not None and new.kind in self._listed_kinds:
+            self._listed.setdefault((new.tenant_id, new.kind), {})[new.key] = None
+        elif new is None and old is not None and old.kind in self._listed_kinds:
             keys = self._listed[(old.tenant_id, old.kind)]
             del keys[old.key]
             if not keys:
                 del self._listed[(old.tenant_id, old.kind)]
-        if new is not None and new.kind in self._listed_kinds:
-            self._listed.setdefault((new.tenant_id, new.kind), {})[new.key] = None
 
     def usage(self) -> dict[TierName, float]:
         """Fill of each tier in [0, 1] (0 for an unbounded tier)."""

@@ -297,6 +297,16 @@ def test_per_tenant_bytes_listed_keys_and_evictable_bytes_are_a_pass_over_the_in
     each tenant's `acked_bytes` is the sum over its acknowledged index entries, `keys_of_kind`
     lists its entries of a tracked kind (tracked before the puts or after), and each tier's
     `evictable_bytes` sums the copies there that no pin, acknowledgement or durability protects."""
+    def agree_with_a_pass(store: TieredStore) -> None:
+        metas = [m for m in (store.meta(k) for k in store.keys()) if m is not None]
+        for tenant in (ALICE, BOB):
+            assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas if m.acked and m.tenant_id == tenant)
+            assert sorted(store.keys_of_kind(tenant, 2)) == sorted(m.key for m in metas
+                                                                   if m.kind == 2 and m.tenant_id == tenant)
+        for tier in (HOST, SSD):  # what a refused put's message counts as protected, without a pass
+            assert store.evictable_bytes(tier) == sum(m.resident_bytes(tier) for m in metas if tier in m.tiers
+                                                      and eviction_block_reason(m, tier) is None)
+
     async def check() -> None:
         host = HostTier(3 * HOST_FOOTPRINT, {KV: PAGE, 2: PAGE}, slab_bytes=PAGE)
         store = TieredStore(host=host, ssd=await open_ssd(tmp_path / uuid.uuid4().hex))
@@ -317,15 +327,10 @@ def test_per_tenant_bytes_listed_keys_and_evictable_bytes_are_a_pass_over_the_in
                     store.unpin(key)
                 elif store.meta(key) is not None:
                     await store.evict(key, [HOST] if op == "evict-host" else None, force=True)
+                if track_first:  # after every step, not only at the end: a key that left and came back
+                    agree_with_a_pass(store)
             store.track_kind(2)
-            metas = [m for m in (store.meta(k) for k in store.keys()) if m is not None]
-            for tenant in (ALICE, BOB):
-                assert store.acked_bytes(tenant) == sum(m.size_bytes for m in metas if m.acked and m.tenant_id == tenant)
-                assert sorted(store.keys_of_kind(tenant, 2)) == sorted(m.key for m in metas
-                                                                       if m.kind == 2 and m.tenant_id == tenant)
-            for tier in (HOST, SSD):  # what a refused put's message counts as protected, without a pass
-                assert store.evictable_bytes(tier) == sum(m.resident_bytes(tier) for m in metas if tier in m.tiers
-                                                          and eviction_block_reason(m, tier) is None)
+            agree_with_a_pass(store)
             with pytest.raises(ValueError, match="not listed"):
                 store.keys_of_kind(ALICE, KV)
         finally:
