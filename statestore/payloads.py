@@ -35,6 +35,7 @@ import xxhash
 from statestore.shm import (ATTACHED, METADATA_KEY, LentRegion, LentSpan, ShmRegion, ShmSlots, ShmUnavailable,
                             ShmWindow, slot_bytes)
 from statestore.wire import data_frame
+from tiers.offload import to_thread_to_completion
 from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES, RecordError, RecordHeader, decode_header, encode_header
 
 logger = logging.getLogger(__name__)
@@ -423,7 +424,7 @@ class PayloadTransport:
             # that memory instead of two); the rest of the record is small then: copied here.
             by_server = span is not None and len(span.view) >= COPY_OFF_LOOP_BYTES
             if not by_server and item.total_bytes >= COPY_OFF_LOOP_BYTES:  # checksum and copy off the loop
-                await asyncio.to_thread(_copy_into_slot, region.buf, at, item, span is not None)
+                await to_thread_to_completion(_copy_into_slot, region.buf, at, item, span is not None)
             else:
                 _copy_into_slot(region.buf, at, item, span is not None, hashed=not by_server)
             starts.append(self._codec.start_frame(item.header.key, item.total_bytes, durability, pin,
@@ -594,7 +595,7 @@ async def _deliver_from_slot(region: ShmRegion, at: int, incoming: _Incoming, le
                 work = functools.partial(incoming.fill_from_parts, parts, used)
                 verified = False
             if incoming.total_bytes - used >= COPY_OFF_LOOP_BYTES and not verified:
-                await asyncio.to_thread(work)
+                await to_thread_to_completion(work)  # it writes into the sink: over before this returns
             else:
                 work()
         except (RecordError, ValueError) as exc:

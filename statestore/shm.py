@@ -59,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tiers.offload import to_thread_to_completion
 from tiers.record import HEADER_SIZE, Record, encode_header
 
 METADATA_KEY = "x-statestore-shm"
@@ -359,7 +360,7 @@ async def write_slot(buf: mmap.mmap, offset: int, record: Record, lent: memoryvi
     """Encode one record into its slot, as on the wire (on a worker thread when large); `lent`:
     where its last `len(lent)` payload bytes go instead (the caller's lent memory)."""
     if len(record.payload) >= COPY_OFF_LOOP_BYTES:
-        await asyncio.to_thread(_write_slot, buf, offset, record, lent=lent)
+        await to_thread_to_completion(_write_slot, buf, offset, record, lent=lent)
     else:
         _write_slot(buf, offset, record, lent=lent)
 

@@ -1,5 +1,6 @@
-"""Stopping a child process so that what it left on disk can be inspected: the fault tests'
-shared helper (a SIGKILL then leaves exactly what was seen)."""
+"""Process helpers the tests share: stopping a child process so that what it left on disk can
+be inspected (a SIGKILL then leaves exactly what was seen), and counting this process's
+descriptors on a file."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def freeze(pid: int, *, timeout_s: float = 2.0, poll_s: float = 0.0005, allow_di
 
 def thaw(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
+
+
+def fds_on(path: Path) -> int:
+    """How many of this process's file descriptors are open on `path`."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return count

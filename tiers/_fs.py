@@ -229,11 +229,14 @@ class IOBuffers:
         self._free: list[tuple[memoryview, float]] = []  # (buffer, when returned), most recent last
         self._free_bytes = 0
         self._lock = threading.Lock()
+        # Lent buffers come back here, without the lock (`_returned_by_finalizer`).
+        self._returned: collections.deque[tuple[memoryview, float]] = collections.deque()
 
     @property
     def free_bytes(self) -> int:
         """Bytes of the buffers kept free (mapped, faulted in, not in use)."""
         with self._lock:
+            self._admit_returned()
             return self._free_bytes
 
     def take(self, nbytes: int) -> memoryview:
@@ -241,6 +244,7 @@ class IOBuffers:
         (`SMALL_IO_BUFFER_BYTES`) is never served from a huge-page buffer (it may be lent)."""
         limit = SMALL_IO_BUFFER_BYTES if nbytes <= SMALL_IO_BUFFER_BYTES else 1 << 62  # small: its own kind
         with self._lock:
+            self._admit_returned()
             free = self._free
             best = -1
             for i in range(len(free) - 1, -1, -1):
@@ -260,12 +264,29 @@ class IOBuffers:
         are dropped, the smallest first (unmapped once no view of them is left)."""
         now = time.monotonic()
         with self._lock:
+            self._admit_returned()
             free = self._free
             free.append((buf, now))
             self._free_bytes += len(buf)
             if len(free) > self._max_buffers and (self._free_bytes > self._retain_bytes
                                                   or now - free[0][1] > self._retain_idle_s):
                 self._trim(now)  # (else all of them are kept: skip the sort)
+
+    def _returned_by_finalizer(self, buf: memoryview) -> None:
+        """A lent buffer's finalizer: queue it for the next `take`/`give` to admit. Never the
+        lock: the collector runs finalizers at any allocation, also one made while this very
+        thread holds the lock inside `give` or `take`, where acquiring it again would deadlock
+        the thread (and with it every later caller of the pool)."""
+        self._returned.append((buf, time.monotonic()))
+
+    def _admit_returned(self) -> None:
+        """With the lock held: move the buffers lent ones' finalizers queued into the free
+        list (a finalizer running meanwhile only appends; popleft takes each once)."""
+        returned = self._returned
+        while returned:
+            item = returned.popleft()
+            self._free.append(item)
+            self._free_bytes += len(item[0])
 
     def _trim(self, now: float) -> None:
         """With the lock held, more than `max_buffers` free: keep the `max_buffers` largest
@@ -305,7 +326,7 @@ class IOBuffers:
         """
         buf = self.take(nbytes)
         anchor = (ctypes.c_char * len(buf)).from_buffer(buf)  # sizes are 2 MiB multiples: few ctypes types
-        weakref.finalize(anchor, self.give, buf)
+        weakref.finalize(anchor, self._returned_by_finalizer, buf)
         return memoryview(anchor).cast("B")
 
 

@@ -95,6 +95,7 @@ from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
 from tiers._hop import Workers
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
 from tiers.locks import KeyLocks
+from tiers.offload import wait_through_cancel
 from tiers.record import (
     HEADER_SIZE,
     RECORD_KEY_BYTES,
@@ -542,11 +543,13 @@ class _PieceRead:
             self.thread.add_done_callback(lambda _: fn())  # type: ignore[union-attr]
 
 
-async def _settle_loop_reads(aio: AioReads, reads: Sequence[_PieceRead], copying: asyncio.Future[None] | None,
+async def _settle_loop_reads(aio: AioReads, reads: Sequence[_PieceRead], copying: Future[None] | None,
                              fd: int) -> None:
     """After a delivering read on the loop, however it ended: the fd is closed once every read in
     flight has landed, and the copy in flight, which writes into the caller's target, is waited
-    for (even through a cancellation, which is raised again afterwards)."""
+    for (even through a cancellation, which is raised again afterwards). `copying` is the
+    helper thread's own future: an asyncio future awaiting it is cancelled along with the task
+    that awaits it (then done, while the thread still copies into the target)."""
     left = len(reads)
     lock = threading.Lock()  # (a thread's read lands on that thread)
 
@@ -561,16 +564,9 @@ async def _settle_loop_reads(aio: AioReads, reads: Sequence[_PieceRead], copying
         os.close(fd)
     for piece in reads:
         piece.when_landed(aio, landed)
-    cancelled = False
-    while copying is not None and not copying.done():
-        try:
-            await asyncio.shield(copying)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # noqa: BLE001 - its failure is the caller's to report, not the clean-up's
-            break
-    if cancelled:
-        raise asyncio.CancelledError
+    if copying is not None and not copying.done():
+        with contextlib.suppress(Exception):  # its failure is the caller's to report, not the clean-up's
+            await wait_through_cancel(asyncio.wrap_future(copying))
 
 
 @dataclass(slots=True)
@@ -1501,7 +1497,7 @@ class SSDTier(Tier):
         view = self._buffers.lend(size)[:size]
         pieces = iter(range(0, len(view), READ_PIECE_BYTES))
         reads: collections.deque[_PieceRead] = collections.deque()
-        copying: asyncio.Future[None] | None = None
+        copying: Future[None] | None = None  # the copy in flight into the target, on a helper thread
         delivery = _Delivery(target, file_bytes)
         got = 0
 
@@ -1537,12 +1533,12 @@ class SSDTier(Tier):
                 span = delivery.span(lo, got)
                 if span is not None:
                     if copying is not None:
-                        await copying
-                    copying = loop.run_in_executor(helpers, delivery.copy, view, *span)
+                        await asyncio.wrap_future(copying)
+                    copying = helpers.submit(delivery.copy, view, *span)
                 if got < hi:
                     break
             if copying is not None:
-                await copying
+                await asyncio.wrap_future(copying)
         except OSError as exc:
             return _ReadResult(None, error=exc)
         finally:

@@ -16,6 +16,7 @@ import pytest
 
 import tiers.ssd as ssd_module
 from tests.integration.test_ssd_tier import assert_same, rec, record_path
+from tests.proc import fds_on
 from tiers._aio import AioReads, WouldBlock
 from tiers._fs import map_io_buffer
 from tiers.ssd import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES, SSDTier
@@ -99,17 +100,6 @@ def write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fds_on(path: Path) -> int:
-    """How many of this process's file descriptors are open on `path`."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
-        except OSError:
-            pass
-    return count
 
 
 async def test_a_cancelled_loop_read_gives_its_buffer_back_once_it_lands(tmp_path: Path) -> None:

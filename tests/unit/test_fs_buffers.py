@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,37 @@ def test_pool_takes_the_smallest_buffer_that_fits() -> None:
     fresh = pool.take(10)
     assert fresh is not bigger and len(fresh) == _fs.ALIGN
     assert pool.take(large) is bigger
+
+
+class _CollectingFreeList(list):  # type: ignore[type-arg]
+    """The pool's free list, running the cyclic collector as it grows: what any allocation the
+    pool makes with its lock held may do (a tuple, a sort), made certain instead of rare."""
+
+    def append(self, item: object) -> None:
+        gc.collect()
+        super().append(item)
+
+
+def test_a_lent_buffer_collected_while_the_pool_is_locked_comes_back_without_deadlock() -> None:
+    """A lent view caught in a reference cycle (a traceback holding a staged record's payload)
+    is freed by the collector, which may run inside `give` with the pool's lock held: its
+    finalizer must not take the lock again (it did, and the thread hung for good, every later
+    caller of the pool behind it). The buffer comes back to the pool at the next call."""
+    pool = _fs.IOBuffers(max_buffers=4)
+    other = pool.take(4096)
+    pool._free = _CollectingFreeList()
+
+    class Holder:
+        pass
+
+    lent = pool.lend(_fs.HUGE_PAGE)
+    lent_address = _address(lent)
+    holder = Holder()
+    holder.view, holder.me = lent, holder  # type: ignore[attr-defined]
+    del lent, holder
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (pool.give(other), done.set()), daemon=True)
+    thread.start()
+    assert done.wait(10), "give deadlocked: the lent buffer's finalizer took the pool's lock again"
+    assert pool.free_bytes == len(other) + _fs.HUGE_PAGE
+    assert _address(pool.take(_fs.HUGE_PAGE)) == lent_address  # the lent buffer, reused
