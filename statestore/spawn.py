@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 READY = re.compile(r"statestore serving on 127\.0\.0\.1:(\d+)")
+FAILED_START_GRACE_S = 5.0  # a child that printed something else first: how long it may go on to say why
 
 
 def spawn_serve(data_dir: Path, *, port: int = 0, preset: str = "mini", env: Mapping[str, str] | None = None,
@@ -31,14 +32,18 @@ def spawn_serve(data_dir: Path, *, port: int = 0, preset: str = "mini", env: Map
 def spawn_until_ready(argv: list[str], ready: re.Pattern[str], name: str, *, env: Mapping[str, str] | None = None,
                       cwd: Path | None = None) -> tuple[subprocess.Popen[str], int]:
     """Start `argv` (a server called `name` in errors) and return it with the port its first
-    line names (`ready`'s group 1). A child whose first line does not match is killed, and
-    RuntimeError carries what it printed."""
+    line names (`ready`'s group 1). A child whose first line does not match is given
+    `FAILED_START_GRACE_S` to finish (a server that cannot start usually exits, its reason still
+    to come), then killed; RuntimeError carries everything it printed."""
     proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     match = ready.search(line)
     if match is None:
-        proc.kill()
-        raise RuntimeError(f"{name} did not start: {line}{proc.stdout.read()}")
+        try:  # killed at once, it lost what it had not printed yet (under load, most of it)
+            proc.wait(timeout=FAILED_START_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise RuntimeError(f"{name} did not start: {line}{proc.stdout.read()}")  # (through the line's buffer)
     return proc, int(match.group(1))

@@ -1315,8 +1315,13 @@ class SSDTier(Tier):
         reserved, spare = self._reserve_put(key, new_key, file_bytes, need)
         if not reserved:
             return False
+        writing = self._run(self._write_record, record, encoded, new_key, spare, staged)
         try:
-            header = await self._run(self._write_record, record, encoded, new_key, spare, staged)
+            header = await wait_through_cancel(writing)
+        except asyncio.CancelledError:  # raised once the write ended: a record it wrote whole is indexed,
+            if not writing.cancelled() and writing.exception() is None:  # so the index says what the disk holds
+                self._index_add(key, _Entry(writing.result(), file_bytes))
+            raise
         except OSError as exc:
             self._log_write_failure(key, exc)
             return False
@@ -1751,11 +1756,16 @@ class SSDTier(Tier):
             if reserved:
                 plan.append((i, record, need, new_key, spare))
         shares = [plan[i:: self._max_concurrency] for i in range(min(self._max_concurrency, len(plan)))]
+        writing = asyncio.gather(*(
+            self._run(self._write_share, [(record, new_key, spare, self._staged_for(record))
+                                          for _, record, _, new_key, spare in share])
+            for share in shares))
+        cancelled = False
         try:
-            results = await asyncio.gather(*(
-                self._run(self._write_share, [(record, new_key, spare, self._staged_for(record))
-                                              for _, record, _, new_key, spare in share])
-                for share in shares))
+            results = await wait_through_cancel(writing)
+        except asyncio.CancelledError:  # raised once the writes ended: what they wrote whole is indexed below
+            cancelled = True
+            results = writing.result() if not writing.cancelled() and writing.exception() is None else []
         finally:
             for _, _, need, _, _ in plan:
                 self._release(need)
@@ -1767,6 +1777,8 @@ class SSDTier(Tier):
                 else:
                     self._index_add(record.key, _Entry(result, HEADER_SIZE + len(record.payload)))
                     out[i] = True
+        if cancelled:
+            raise asyncio.CancelledError
         return out
 
     def _write_share(self, jobs: Sequence[tuple[Record, bool, str | None, _fs.Staged | None]]

@@ -1045,6 +1045,36 @@ async def test_a_delivering_get_on_the_loop_falls_back_or_stops_cleanly(tmp_path
         await tier.aclose()
 
 
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_put_cancelled_during_its_write_leaves_the_index_saying_what_the_disk_holds(
+        tmp_path: Path, batch: bool) -> None:
+    """A caller that gives up (a client gone, a timeout) while its put's write is on a worker
+    thread: the write cannot be stopped, so the cancellation is raised once it has ended, with
+    what it wrote whole indexed. Before, the put returned at once and the thread went on: the
+    file landed unindexed (invisible, outside the budget, a record that came back at the next
+    restart even after the key was deleted), its key's lock already released to the next put."""
+    tier = await SSDTier.create(tmp_path / "ssd")
+    records = [rec(40, 6 << 20), rec(41, 3 << 20)] if batch else [rec(40, 6 << 20)]
+    try:
+        task = asyncio.create_task(tier.put_many(records) if batch else tier.put(records[0]))
+        while tier._workers.in_flight == 0:  # the write is on its thread
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await tier.contains([r.key for r in records]) == [True] * len(records)
+        for r in records:
+            assert record_path(tier._layout.root, r).exists()
+            assert_same(await tier.get(r.key), r)
+        assert tier.usage().resident_bytes == sum(tier.footprint(r) for r in records)
+        for r in records:
+            await tier.delete(r.key)
+        tier = await reopen(tier)
+        assert await tier.contains([r.key for r in records]) == [False] * len(records)
+    finally:
+        await tier.aclose()
+
+
 @pytest.mark.parametrize("path", ["direct", "buffered", "zstd"])
 async def test_a_deferred_fill_is_copied_by_the_write_and_verified_before_it_is_visible(
         tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
