@@ -54,6 +54,7 @@ from statestore.shm import (ATTACHED, LENT_METADATA_KEY, METADATA_KEY, ShmAttach
 from statestore.store import BudgetExceeded, DurabilityUnavailable, StoreConfig, TieredStore, make_page_sizes
 from statestore.types import DEFAULT_TIER_PROFILES, Durability, OpenReport, StateMeta, TierName
 from statestore.wire import OFFLOAD_BYTES, encoded_size, frame_slices, join_parts_off_loop, record_frames
+from tiers.offload import run_to_completion
 from tiers.record import HEADER_SIZE, TENANT_BYTES, Record, RecordError, record_key_prefix, with_tenant
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                                                defer=len(parts) == 1 or start.checksum_by_server)
                             for i, (start, buf) in enumerate(parts)]
                 async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
-                    response = await self._put_verified(verified, parts)
+                    response = await run_to_completion(self._put_verified(verified, parts))
                 stager.check_consumed()
                 return response
             finally:
@@ -284,7 +285,7 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
                     for view in bufs:
                         view.release()
         async with owner.quotas.admit_bytes(self._store, tenant, [v[0] for v in verified]):
-            return await self._put_verified(verified, parts)
+            return await run_to_completion(self._put_verified(verified, parts))
 
     async def _verify_done(self, done: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]],
                            sums: list[int | None],
@@ -318,6 +319,9 @@ class StateStoreServicer(statestore_pb2_grpc.StateStoreServicer):
 
     async def _put_verified(self, verified: list[tuple[Record, common_pb2.RecordStart, Durability]],
                             parts: list[tuple[common_pb2.RecordStart, list[bytes | memoryview]]]) -> Any:
+        """Store the verified records in order (run to completion: a client that goes away once
+        the puts began does not cut one off halfway, leaving a tier holding a record the store
+        does not know; its call ends once they are done)."""
         response = statestore_pb2.PutRecordsResponse()
         add = response.results.add  # built in place: no per-record message copied into the response
         stored_bytes = 0

@@ -11,6 +11,7 @@ from statestore import sessions as ss
 from statestore.messages import durability_of, replay_info, session_info, tier_bytes
 from statestore.rpc import BadField, NotFound, Precondition, streaming, unary
 from statestore.types import Durability
+from tiers.offload import run_to_completion
 
 if TYPE_CHECKING:
     from statestore.server import StateStoreServer
@@ -71,7 +72,9 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
     async def Checkpoint(self, request: Any, context: Any, tenant: str) -> Any:
         durability = durability_of(request.durability, "durability",
                                  Durability[self._owner.config.durability.upper()])
-        report = await self._sessions.checkpoint(tenant, request.session_id, durability)
+        # Run to completion: a client gone mid-checkpoint leaves it whole (its records and manifest
+        # stored, the store and its tiers agreeing), never a put cut off halfway.
+        report = await run_to_completion(self._sessions.checkpoint(tenant, request.session_id, durability))
         return sessions_pb2.CheckpointInfo(version=report.version, num_tokens=report.num_tokens,
                                            new_blocks=report.new_blocks, shared_blocks=report.shared_blocks,
                                            bytes_written=report.bytes_written, total_bytes=report.total_bytes,

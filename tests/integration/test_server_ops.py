@@ -16,7 +16,7 @@ import pytest
 from statestore.client import ClientOptions, ServiceError, StateStoreClient, SyncStateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
-from statestore.types import Durability
+from statestore.types import Durability, TierName
 from tiers.record import make_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,6 +52,37 @@ async def test_stop_lets_in_flight_calls_finish_then_refuses(tmp_path: Path) -> 
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         await srv.stop(0)
+
+
+async def test_a_client_gone_once_the_puts_began_leaves_the_store_and_its_tiers_agreeing(tmp_path: Path) -> None:
+    """A PutRecords whose client cancels once the server began storing the stream's verified
+    records: the puts run to completion (its call ends when they are done), so no record is cut
+    off halfway. Before, the handler was cancelled mid-put: the SSD tier finished the write on its
+    thread and held a record the store had forgotten (never evicted, invisible to lookups)."""
+    async with StateStoreServer(config(tmp_path)) as srv:
+        fp = srv.adapter.model_fingerprint
+        records = [make_record(1, 1, bytes([i]) * (4 << 20), model_fingerprint=fp, tenant_id=bytes(16),
+                               block_key=bytes([i + 1]) * 32) for i in range(6)]
+        async with StateStoreClient(f"127.0.0.1:{srv.port}") as c:
+            task = asyncio.create_task(c.put_records(records, Durability.LOCAL))
+            while len(srv.store) == 0:  # the first put began (the store marks it in flight)
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(1000):
+                if len(srv.store) == len(records) and all(m is not None and m.acked for m in srv.store.metas(
+                        srv.store.keys())):
+                    break
+                await asyncio.sleep(0.01)
+            keys = srv.store.keys()
+            assert len(keys) == len(records)
+            assert await srv.ssd.contains(keys) == [True] * len(keys)
+            assert sorted(srv.ssd._index) == sorted(keys)  # the tier holds nothing the store does not know
+            for meta in srv.store.metas(keys):
+                assert meta is not None and meta.acked and TierName.SSD in [t for t, _ in meta.resident]
+            got = await c.get_records(keys)
+            assert sorted(r.payload[:1] for r in got if r is not None) == [bytes([i]) for i in range(len(records))]
 
 
 def test_blocking_client(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tiers.offload import to_thread_to_completion, wait_through_cancel
+from tiers.offload import run_to_completion, to_thread_to_completion, wait_through_cancel
 
 
 def _fill_when_let(buf: bytearray, let: threading.Event, started: threading.Event) -> int:
@@ -86,3 +86,22 @@ async def test_a_failure_behind_a_cancellation_is_dropped_quietly() -> None:
     await asyncio.sleep(0)
     assert reported == []
     loop.set_exception_handler(None)
+
+
+async def test_run_to_completion_finishes_the_work_before_the_cancellation_comes_through() -> None:
+    steps: list[int] = []
+
+    async def steps_of_work() -> str:
+        for i in range(5):
+            await asyncio.sleep(0.01)
+            steps.append(i)
+        return "done"
+
+    task = asyncio.create_task(run_to_completion(steps_of_work()))
+    while not steps:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == [0, 1, 2, 3, 4]  # none cut off
+    assert await run_to_completion(steps_of_work()) == "done"
