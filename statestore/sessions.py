@@ -40,6 +40,7 @@ from replay import ReplayPlan, execute_replay, plan_replay
 from statestore.keys import BlockHasher, check_block_size, derive_tenant_salt, tenant_id
 from statestore.store import TieredStore
 from statestore.types import TIER_ORDER, Durability, PutHints, TierName
+from tiers.offload import wait_through_cancel
 from tiers.record import HEADER_SIZE, KEY_BYTES, ZERO_KEY, Record, RecordKey, make_record, make_record_key
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,10 @@ class SessionManager:
     # ----- engine thread -----------------------------------------------------------------------
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """`fn(*args)` on the engine thread. A cancellation is raised only once it returned: the
+        caller holds the session's lock until the engine is done with its state (else the next
+        call on the session read the state on the loop while the engine thread still wrote it)."""
+        return await wait_through_cancel(asyncio.get_running_loop().run_in_executor(self._executor, fn, *args))
 
     # ----- life cycle of a session ---------------------------------------------------------------
 
@@ -332,8 +336,12 @@ class SessionManager:
             raise ValueError("append needs at least one token")
         live = self._get_live(tenant, session_id)
         async with live.lock:
-            await self._run(self.adapter.append, live.state, tokens)
-            live.boundaries.append(self.adapter.num_tokens(live.state))
+            before = self.adapter.num_tokens(live.state)
+            try:
+                await self._run(self.adapter.append, live.state, tokens)
+            finally:  # a cancelled append that the engine did still marks its boundary
+                if (after := self.adapter.num_tokens(live.state)) != before:
+                    live.boundaries.append(after)
         return await self.get(tenant, session_id)
 
     async def generate(self, tenant: str, session_id: str, num_tokens: int, temperature: float = 0.0,
@@ -347,7 +355,12 @@ class SessionManager:
         async with live.lock:
             if self.adapter.num_tokens(live.state) == 0:
                 raise ValueError(f"session {session_id!r} is empty: append a prompt before generating")
-            tokens = await self._run(self.adapter.generate, live.state, num_tokens, temperature, seed)
+            before = self.adapter.num_tokens(live.state)
+            try:
+                tokens = await self._run(self.adapter.generate, live.state, num_tokens, temperature, seed)
+            except asyncio.CancelledError:  # raised once the engine is done: count what it generated
+                live.generated += self.adapter.num_tokens(live.state) - before
+                raise
             live.generated += len(tokens)
             return tokens
 

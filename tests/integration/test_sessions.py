@@ -549,6 +549,33 @@ async def test_tiny_checkpoint_resume_round_trip(open_node: OpenNode, tmp_path: 
     assert await second.sessions.generate(TENANT, "s", 3) == ref_tokens
 
 
+async def test_a_cancelled_append_ends_with_the_engine_done_and_its_boundary_kept(open_node: OpenNode,
+                                                                                 tmp_path: Path) -> None:
+    """A caller cancelled while its append runs on the engine thread gets the cancellation only
+    once the engine is done with the state (before, the session's lock was released at once and
+    the next call read the state while the engine thread still wrote it); the tokens are in,
+    their message boundary kept, and a checkpoint and resume continue as after a plain append."""
+    node = await open_node(tmp_path / "a")
+    first, prompt = make_tokens(40, seed=11), make_tokens(2000, seed=12)
+    await start_session(node, "s", [first])
+    task = asyncio.create_task(node.sessions.append(TENANT, "s", prompt))
+    await asyncio.sleep(0)  # one step: the append handed its prefill of 2,000 tokens to the engine thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    info = await node.sessions.get(TENANT, "s")
+    assert info.num_tokens == len(first) + len(prompt)  # done when the cancellation came through
+    assert node.sessions._get_live(TENANT, "s").boundaries[-2:] == [len(first), len(first) + len(prompt)]
+    await node.sessions.checkpoint(TENANT, "s")
+    ref = await open_node(tmp_path / "b")
+    await start_session(ref, "s", [first, prompt])
+    want = await ref.sessions.generate(TENANT, "s", 4)
+    await node.aclose()
+    resumed = await open_node(tmp_path / "a")
+    await resumed.sessions.resume(TENANT, "s", "exact")
+    assert await resumed.sessions.generate(TENANT, "s", 4) == want
+
+
 # ----- validation -----------------------------------------------------------------------------------
 
 BAD_IDS = ["", "-leading-dash", "a/b", "spaces inside", "x" * 129, "tab\t", "ü"]
