@@ -37,7 +37,7 @@ evicts, and the tier keeps their files as recycled spares (`tiers.ssd`: header z
 kept), so from its second round a put overwrites allocated blocks instead of allocating new
 ones: `vs_overwrite` is that against the best plain file I/O can do with the same trick, while
 the reference stays what DESIGN section 7 names (plain file I/O, a new file per record). For gets, `vs_sync` compares the tier with its own
-read + verify (`tiers.ssd._read_record`: open, O_DIRECT read, header and checksum checks, the
+read + verify (`tiers.ssd_reads.read_record`: open, O_DIRECT read, header and checksum checks, the
 payload lent or copied as a get does) run on qd plain threads, the way the reference runs:
 `ratio` / `vs_sync` is what the reference gets against the tier's work without the asyncio hop,
 so the two say how much of a gap is the hop and how much the work. `vs_threads` compares the
@@ -54,7 +54,7 @@ slower on the development VM, and both 2.3-2.5x the tier without spares).
 The process runs with the allocator setting of the service the tiers live in
 (`statestore.allocator.keep_large_buffers_in_heap`, applied by `StateStoreServer.start`):
 a get returns a fresh payload buffer (for SSD gets only below 128 KiB and between ~0.5 and 1 MiB:
-otherwise the payload is a view of the tier's pooled read buffer, `tiers.ssd.LEND_MIN_BYTES` and
+otherwise the payload is a view of the tier's pooled read buffer, `tiers.ssd_reads.LEND_MIN_BYTES` and
 `SMALL_LEND_MIN_BYTES`), and without it glibc maps
 (and faults in, 256 pages per MiB) a new one for every large record, which cost a 1 MiB SSD get
 ~0.5 ms on top of its ~1.2 ms read on the development VM. The references allocate nothing per operation, so the
@@ -91,7 +91,7 @@ from statestore.allocator import keep_large_buffers_in_heap
 from tiers.record import Record, encode_record, make_record
 from tiers._fs import IOBuffers, make_spares, map_io_buffer, write_new, write_spare
 from tiers.ssd import OVERLAP_DIR_SYNC_MIN_BYTES, SSDTier
-from tiers.ssd import _read_record as read_record
+from tiers.ssd_reads import read_record
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 FLOOR_RATIO = 0.8
@@ -372,7 +372,7 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         return await asyncio.to_thread(run_pool, qd, lambda i: read_buffers.read(paths[i]), n)
 
     async def tier_reads_sync() -> float:
-        """The tier's own read + verify of each record (`tiers.ssd._read_record`, its payload
+        """The tier's own read + verify of each record (`tiers.ssd_reads.read_record`, its payload
         lent or copied as a get's) on qd plain threads: a get without the asyncio hop."""
         await asyncio.to_thread(drop_cache, tier_paths)
         jobs = [(str(path), r.key, tier._index[r.key].file_bytes, *tier._read_mode(tier._index[r.key]))

@@ -12,7 +12,7 @@ the completion ring (`poll_s`, `_poll`) between its other work instead of sleepi
 depth-1 gets 0.80-0.98 of the O_DIRECT reference polled against 0.73-0.94 through the
 eventfd. With several in flight the eventfd wakes it (polling there was slower), and so it
 does while the owner's threads have work (`busy`: they need the GIL back). Records from
-2 MiB stay on the threads (`tiers.ssd.LOOP_READ_MAX_FILE_BYTES`).
+2 MiB stay on the threads (`tiers.ssd_reads.LOOP_READ_MAX_FILE_BYTES`).
 
 Nothing here may block the loop on the disk, so each step that could falls back instead:
 - the file is opened with `openat2(RESOLVE_CACHED)`, which fails with EAGAIN unless every path

@@ -64,6 +64,12 @@ allows; else one at a time on a thread).
 
 The tier never evicts. With a budget, `put` refuses (False) a record that would not fit,
 writing nothing; the store decides what to delete to make room.
+
+This module is the tier itself: its index and budget, puts, gets, deletes, and the order in
+which they may run. Its parts, each with one job: `tiers.ssd_layout` (where a key's file
+lives), `tiers.ssd_reads` (open, read, verify, deliver), `tiers.ssd_scan` (what the start-up
+finds on disk), `tiers.ssd_spares` (the pools of durable names), `tiers.ssd_snapshot` (the
+index a clean close saves), `tiers._fs` (the durable-write protocols and I/O buffers).
 """
 
 from __future__ import annotations
@@ -78,9 +84,7 @@ import itertools
 import logging
 import os
 import secrets
-import stat
 import sys
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,7 +92,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiofiles.os
-import xxhash
 
 from tiers import _fs, ssd_snapshot
 from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
@@ -98,18 +101,37 @@ from tiers.locks import KeyLocks
 from tiers.offload import wait_through_cancel
 from tiers.record import (
     HEADER_SIZE,
-    RECORD_KEY_BYTES,
     Record,
     RecordError,
     RecordHeader,
     RecordKey,
-    copy_scattered,
     decode_header,
     decode_record,
     encode_header,
     encode_record,
     make_record,
 )
+from tiers.ssd_layout import LOCK_FILE, SPARE_SUFFIX, TEMP_SUFFIX, SSDLayout
+from tiers.ssd_reads import (
+    DELIVER_MIN_BYTES,
+    LEND_MIN_BYTES,
+    LOOP_READ_MAX_FILE_BYTES,
+    READ_PIECE_BYTES,
+    READ_WINDOW,
+    SMALL_LEND_MIN_BYTES,
+    Delivery,
+    PieceRead,
+    ReadResult,
+    ReadTarget,
+    decoded,
+    open_on_loop,
+    read_record,
+    read_record_into,
+    read_records,
+    settle_loop_reads,
+)
+from tiers.ssd_scan import SCAN_CHUNK, SnapshotUse, list_root, scan_leaves, scan_spares, scan_top_dirs, write_snapshot
+from tiers.ssd_spares import DEFAULT_RECYCLE_BYTES, DEFAULT_SPARE_FILES, SPARE_CHUNK, RecyclePool, SparePool
 
 if TYPE_CHECKING:
     from tiers.registry import TierConfig
@@ -118,12 +140,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RECORD_SUFFIX = ".rec"
-TEMP_SUFFIX = ".tmp"
-QUARANTINE_DIR = "quarantine"
-SPARES_DIR = "spares"
-SPARE_SUFFIX = ".spare"
-LOCK_FILE = ".lock"
 # Records at least this large are written and read with O_DIRECT (aligned buffer): on the
 # development machine (ext4 on virtio) one device I/O per record beat buffered I/O from
 # 128 KiB up, cold reads most of all (bench/tiers.py).
@@ -134,51 +150,11 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # behind a write this long; below it the extra thread handoff cost about what it saved
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
-# A get (or get_many) of a record at least this large returns its payload as a view of the
-# pooled (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`);
-# the buffer is busy until the caller drops the payload (a batch maps one per record held, as
-# a copy would allocate one).
-LEND_MIN_BYTES = 1 << 20
-# Records from this size whose read buffer is a small one (up to `tiers._fs.SMALL_IO_BUFFER_BYTES`:
-# a plain map of the record's size, rounded to 4 KiB) are lent as well: a held payload pins what
-# its copy would. Those between (~0.5-1 MiB) are copied: their buffer is a 2 MiB huge page. The
-# copy and its allocation were what the machine's two cores could least afford with several
-# gets in flight (256 KiB, get_many at queue depth 4, interleaved rounds on the development VM:
-# 0.61-0.77 of the O_DIRECT reference copied, 0.83-1.03 lent); below this size the copy is cheap.
-SMALL_LEND_MIN_BYTES = 128 << 10
-# A get with a delivery target (`SSDTier.reading_into`) of a record at least this large reads
-# it in pieces of READ_PIECE_BYTES and copies each piece into the target on a helper thread
-# while the next piece is read (on the event loop, READ_WINDOW pieces in flight, where native
-# AIO serves; else one at a time on a thread). On the development VM (shared, load ~2.4), 32 MiB records read
-# and put into a shm slot, alternating with read-then-copy: 2 MiB pieces 18.0-21.5 ms against
-# 19.3-24.1 (1-2.6 ms saved in each of 7 runs); 4 MiB pieces were 1.3-2 ms slower than
-# read-then-copy, 8 and 32 MiB even: the copy thread and the reads share 2 busy vCPUs.
-DELIVER_MIN_BYTES = 4 << 20
-# Records whose file is smaller than this are read on the event loop with native AIO
-# (`tiers._aio`: no thread hop) when they are O_DIRECT-sized, uncompressed and their path is in the
-# lookup cache; the payload checksum is then taken on the loop too. A lone read in flight is
-# polled for (`read_poll_s`), so that a depth-1 get wakes no halted vCPU. Against the same tier
-# with every read on threads, same rounds, development VM: 256 KiB get_many at depth 4
-# 1.08-1.35x; depth-1 gets 256 KiB 0.80-0.98 of the O_DIRECT reference polled, 0.73-0.94 not,
-# 0.73-0.87 on threads; 1 MiB 0.83-0.85 polled, 0.72-0.78 on threads, at depth 4 level. From
-# 2 MiB the loop gained nothing (4 MiB: 0.86-0.95 polled, 0.89-0.90 on threads) and would
-# hash ~100 us per record on the loop, so those stay on the threads, which hash in parallel
-# without the GIL.
-LOOP_READ_MAX_FILE_BYTES = 2 << 20
 # Free I/O buffers the tier keeps beyond one per thread, for a second (`tiers._fs.IOBuffers`):
 # a get_many of large records holds one lent buffer per record until its caller drops the
 # payloads, and mapping and faulting them in anew for each batch cost 1 MiB gets at queue
 # depth 4 about a third of their speed (32 records: 0.53 of the O_DIRECT reference -> 0.80).
 RETAIN_BUFFER_BYTES = 128 << 20
-READ_PIECE_BYTES = 2 << 20
-# A delivering get on the event loop (`SSDTier._read_into_on_loop`, native AIO) keeps this many
-# pieces in flight, each copied into the target on a helper thread as it lands, in order. All
-# of a record's pieces at once landed together at the end (the virtio host serves them in
-# parallel), leaving nothing for the copies to overlap; one at a time left the disk idle between
-# pieces. 32 MiB into /dev/shm, in-process on the development VM: read whole 9.0 ms (no copy);
-# pieces one at a time on a thread 11.5; 3 x 2 MiB in flight 9.8 (2 x 2 MiB 10.2, 2 x 4 MiB 10.1,
-# all 16 at once 12.0).
-READ_WINDOW = 3
 # A put of a record at least this large (not staged, written with O_DIRECT) copies its payload
 # into the aligned buffer and hashes it piece by piece while the previous pieces are written
 # (`tiers._fs.Piecewise`), instead of hashing, copying and then writing it whole; smaller ones
@@ -188,64 +164,12 @@ READ_WINDOW = 3
 # 32 MiB 28 -> 24 ms and 8 MiB 12 -> 8 ms when the disk throttled; 1 and 4 MiB were slower
 # in pieces (1.3 -> 1.5 ms, 3.9 -> 4.3 ms): a single write keeps more of the device busy.
 PIECEWISE_MIN_BYTES = 8 << 20
-SCAN_CHUNK = 16  # first-level directories per scan thread call
-# Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
-# up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
-# keys keeps a few spares; a busy one grows until its bursts take at most half). It is
-# refilled in the background once half of it is claimed (after the batch, for `put_many`):
-# SPARE_CHUNK creates per thread call, one directory fsync per refill.
-DEFAULT_SPARE_FILES = 256
-INITIAL_SPARE_FILES = 32
-SPARE_CHUNK = 32
 # A refill waits until no put has run for this long, unless the pool is down to a quarter
 # (then at once: an empty pool costs every new key a directory fsync). Its creates and its
 # directory fsync are journal commits of their own; run beside a stream of puts they made
 # each put's fdatasync wait behind them: 128 256 KiB puts at qd 1 on the dev VM took ~1.3-2x
 # as long with the refill in the middle of the stream as with it after.
 REFILL_QUIET_S = 0.005
-# Disk bytes the tier keeps as recycled spares (files of dropped records, `tiers._fs.recycle`)
-# for new records of the same size in blocks, by default (`recycle_bytes`; never more than a quarter
-# of a budget). A full cache drops about as many bytes as it writes, so a small reserve
-# serves a steady stream; its bytes count against the budget and are given up first when a
-# put needs room.
-DEFAULT_RECYCLE_BYTES = 256 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class SSDLayout:
-    """Where a record key lives on disk, and the inverse for the scan."""
-
-    root: Path
-
-    @staticmethod
-    def fanout(key: bytes) -> tuple[str, str]:
-        return f"{key[2]:02x}", f"{key[3]:02x}"
-
-    def path(self, key: bytes) -> Path:
-        top, sub = self.fanout(key)
-        return self.root / top / sub / (key.hex() + RECORD_SUFFIX)
-
-    def path_str(self, key: bytes) -> str:
-        """`path(key)` as a str, built without Path objects (on every get and put)."""
-        return f"{self.root}/{key[2]:02x}/{key[3]:02x}/{key.hex()}{RECORD_SUFFIX}"
-
-    @property
-    def quarantine_dir(self) -> Path:
-        return self.root / QUARANTINE_DIR
-
-    @property
-    def spares_dir(self) -> Path:
-        return self.root / SPARES_DIR
-
-    @staticmethod
-    def key_from_name(name: str) -> RecordKey | None:
-        stem = name.removesuffix(RECORD_SUFFIX)
-        if stem == name or len(stem) != 2 * RECORD_KEY_BYTES:
-            return None
-        try:
-            return RecordKey(bytes.fromhex(stem))
-        except ValueError:
-            return None
 
 
 @dataclass(slots=True)
@@ -348,528 +272,7 @@ class _ScanGate:
                 self._cond.notify_all()
 
 
-@dataclass(slots=True)
-class _SparePool:
-    """Spare files (paths) whose names are durable, claimed by new keys' puts on the loop."""
-
-    limit: int  # the most spares kept
-    target: int = 0  # spares kept now: doubles up to `limit` when claims bring the pool to a quarter
-    ready: collections.deque[str] = dataclasses.field(default_factory=collections.deque)
-    refilling: bool = False
-    ran_low: bool = False  # since the last refill: grow once per time the pool runs low
-
-    def __post_init__(self) -> None:
-        self.target = min(self.limit, INITIAL_SPARE_FILES)
-
-    def claim(self) -> str | None:
-        spare = self.ready.popleft() if self.ready else None
-        if len(self.ready) <= self.target // 4 and not self.ran_low:
-            self.ran_low = True
-            self.target = min(self.limit, 2 * self.target)
-        return spare
-
-    def wants_refill(self) -> bool:
-        return self.target > 0 and not self.refilling and len(self.ready) <= self.target // 2
-
-    def running_low(self) -> bool:
-        """Down to a quarter: refill now, busy or not."""
-        return len(self.ready) <= self.target // 4
-
-
-@dataclass(slots=True)
-class _RecyclePool:
-    """Recycled spares (`tiers._fs.recycle`: durable names) by size in file-system blocks,
-    claimed on the loop by new keys whose file takes as many blocks (sizes of one kind's records
-    differ by a few bytes of metadata: an LMCache chunk's key string)."""
-
-    limit_bytes: int
-    block_bytes: int = 4096
-    ready: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # block-rounded size -> paths
-    held_bytes: int = 0  # block-rounded sizes of every file above, and of those being recycled
-
-    def footprint(self, size: int) -> int:
-        return _fs.round_up(size, self.block_bytes)
-
-    def admit(self, size: int) -> bool:
-        """Reserve room for one more file of `size` (False: over the limit, unlink it instead)."""
-        need = self.footprint(size)
-        if self.held_bytes + need > self.limit_bytes:
-            return False
-        self.held_bytes += need
-        return True
-
-    def abandon(self, size: int) -> None:
-        """An admitted file that did not become a spare."""
-        self.held_bytes -= self.footprint(size)
-
-    def resize(self, admitted: int, actual: int) -> None:
-        """An admitted file turned out to be `actual` bytes long, not `admitted`."""
-        self.held_bytes += self.footprint(actual) - self.footprint(admitted)
-
-    def claim(self, size: int) -> str | None:
-        """A spare for a file of `size` bytes: one that takes as many blocks, or None."""
-        rounded = self.footprint(size)
-        paths = self.ready.get(rounded)
-        if not paths:
-            return None
-        path = paths.pop()
-        if not paths:
-            del self.ready[rounded]
-        self.held_bytes -= rounded
-        return path
-
-    def unclaim(self, path: str, size: int) -> None:
-        """A claimed file its put did not use after all."""
-        self.held_bytes += self.footprint(size)
-        self.promote([(path, size)])
-
-    def promote(self, files: Sequence[tuple[str, int]]) -> None:
-        for path, size in files:
-            self.ready.setdefault(self.footprint(size), []).append(path)
-
-    def give_up(self, nbytes: int) -> list[str]:
-        """Files to unlink so that `nbytes` more fit under a budget, largest first."""
-        out: list[str] = []
-        for rounded in sorted(self.ready, reverse=True):
-            if nbytes <= 0:
-                break
-            paths = self.ready[rounded]
-            while paths and nbytes > 0:
-                out.append(paths.pop())
-                self.held_bytes -= rounded
-                nbytes -= rounded
-            if not paths:
-                del self.ready[rounded]
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class _ReadResult:
-    """What one worker-thread read found: a verified record, or why not."""
-
-    record: Record | None
-    inode: int = -1  # of the file read; -1 when none was read
-    problem: str = ""  # why the bytes are not a valid record (-> quarantine)
-    missing: bool = False  # the file is gone (-> drop from the index)
-    error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
-
-
 _GetJob = tuple[int, str, RecordKey, "_Entry"]  # get_many: (index in the keys, path, key, index entry)
-
-
-def _read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffers: _fs.IOBuffers) -> list[_ReadResult]:
-    """Worker thread: `_read_record` for each (path, key, file size, direct, lend); never raises per file."""
-    return [_read_record(path, key, file_bytes, direct, lend, buffers) for path, key, file_bytes, direct, lend in jobs]
-
-
-def _open_record(path: str, direct: bool) -> int | _ReadResult:
-    """A record file's fd, or the `_ReadResult` of a file that is gone or cannot be opened."""
-    try:
-        return _fs.open_for_read(path, direct=direct)
-    except FileNotFoundError:
-        return _ReadResult(None, missing=True)
-    except OSError as exc:
-        return _ReadResult(None, error=exc)
-
-
-def _read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend: bool,
-                 buffers: _fs.IOBuffers) -> _ReadResult:
-    """One open, one read of the indexed size (+1 byte: a grown file shows as too long)
-    into an aligned buffer of `buffers`, verified there. The payload is copied out, or with
-    `lend` is a read-only view of the buffer, which goes back to the pool once the caller
-    drops the payload (`IOBuffers.lend`). The inode is looked up only for a bad file, so that
-    the caller quarantines exactly the file it read."""
-    fd = _open_record(path, direct)
-    if isinstance(fd, _ReadResult):
-        return fd
-    try:
-        if lend:
-            return _read_verified(fd, key, file_bytes, buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN)), True)
-        with buffers.lease(_fs.round_up(file_bytes + 1, _fs.ALIGN)) as buf:
-            return _read_verified(fd, key, file_bytes, buf, False)
-    finally:
-        os.close(fd)
-
-
-def _read_verified(fd: int, key: RecordKey, file_bytes: int, buf: memoryview, keep_view: bool) -> _ReadResult:
-    """Read `fd` into `buf` and verify it there; `keep_view`: the payload is a view of `buf`."""
-    try:
-        data = _fs.read_upto(fd, file_bytes + 1, buf)
-    except OSError as exc:
-        return _ReadResult(None, error=exc)
-    return _decoded(fd, key, data, keep_view)
-
-
-def _decoded(fd: int, key: RecordKey, data: memoryview, keep_view: bool) -> _ReadResult:
-    """The record in `data` (read from `fd`), verified; a bad one names the inode read, so that
-    the caller quarantines exactly that file."""
-    try:
-        return _ReadResult(decode_record(data, expect_key=key, keep_view=keep_view))
-    except RecordError as exc:
-        return _ReadResult(None, os.fstat(fd).st_ino, str(exc))
-
-
-def _open_on_loop(aio: AioReads, path: str) -> int | _ReadResult | None:
-    """A record file opened for a read on the loop (O_DIRECT), the `_ReadResult` of one that is
-    gone or cannot be opened, or None where the open would wait (the caller reads on a thread)."""
-    try:
-        return aio.open_cached(path)
-    except WouldBlock:
-        return None
-    except FileNotFoundError:
-        return _ReadResult(None, missing=True)
-    except OSError as exc:
-        return _ReadResult(None, error=exc)
-
-
-@dataclass(frozen=True, slots=True)
-class _PieceRead:
-    """One piece of a delivering read on the loop: a native AIO read (`aio`), or, where that
-    would have waited, a read on a helper thread (`thread`)."""
-
-    lo: int
-    hi: int
-    aio: asyncio.Future[int] | None = None
-    thread: Future[int] | None = None
-
-    def result(self) -> Awaitable[int]:
-        return self.aio if self.aio is not None else asyncio.wrap_future(self.thread)  # type: ignore[arg-type]
-
-    def when_landed(self, aio: AioReads, fn: Callable[[], None]) -> None:
-        """`fn` once the read is over (not merely once nobody waits for it any more)."""
-        if self.aio is not None:
-            aio.after(self.aio, fn)
-        else:
-            self.thread.add_done_callback(lambda _: fn())  # type: ignore[union-attr]
-
-
-async def _settle_loop_reads(aio: AioReads, reads: Sequence[_PieceRead], copying: Future[None] | None,
-                             fd: int) -> None:
-    """After a delivering read on the loop, however it ended: the fd is closed once every read in
-    flight has landed, and the copy in flight, which writes into the caller's target, is waited
-    for (even through a cancellation, which is raised again afterwards). `copying` is the
-    helper thread's own future: an asyncio future awaiting it is cancelled along with the task
-    that awaits it (then done, while the thread still copies into the target)."""
-    left = len(reads)
-    lock = threading.Lock()  # (a thread's read lands on that thread)
-
-    def landed() -> None:
-        nonlocal left
-        with lock:
-            left -= 1
-            last = left == 0
-        if last:
-            os.close(fd)
-    if not reads:
-        os.close(fd)
-    for piece in reads:
-        piece.when_landed(aio, landed)
-    if copying is not None and not copying.done():
-        with contextlib.suppress(Exception):  # its failure is the caller's to report, not the clean-up's
-            await wait_through_cancel(asyncio.wrap_future(copying))
-
-
-@dataclass(slots=True)
-class ReadTarget:
-    """Where a get of `key` delivers the payload as it reads it (`SSDTier.reading_into`).
-
-    `filled` turns True only when the get read the record from the disk, its header matched
-    (key, `expect_tenant`, uncompressed, `len(dest)` payload bytes) and its payload checksum
-    verified over exactly the bytes copied into `dest`; else `dest` may hold anything of that
-    record (never another tenant's bytes: the header is checked before the first copy).
-    `dests`: the payload's destination, as one buffer or several laid end to end (a client's
-    slot for the first bytes, memory it lent for the rest)."""
-
-    key: RecordKey
-    dests: tuple[memoryview, ...]
-    expect_tenant: bytes | None
-    filled: bool = False
-
-    @property
-    def size(self) -> int:
-        return sum(len(d) for d in self.dests)
-
-
-def _read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
-                      target: ReadTarget, helpers: ThreadPoolExecutor) -> _ReadResult:
-    """`_read_record` (lending the buffer) that also delivers the payload into `target`: the file
-    is read in pieces, and each piece is copied into `target.dest` and hashed on a helper thread
-    while the next one is read. Anything unusual (a header that does not match, a short or long
-    file, a checksum mismatch) leaves the target unfilled and ends as `_read_verified` ends."""
-    fd = _open_record(path, direct)
-    if isinstance(fd, _ReadResult):
-        return fd
-    try:
-        buf = buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN))
-        try:
-            view, checksum = _read_delivering(fd, file_bytes, buf, target, helpers)
-        except OSError as exc:
-            return _ReadResult(None, error=exc)
-        if target.filled:
-            header, _ = decode_header(view[:HEADER_SIZE])
-            return _ReadResult(Record(header, view[HEADER_SIZE:].toreadonly(), checksum))
-        return _decoded(fd, key, view, True)
-    finally:
-        os.close(fd)
-
-
-def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarget,
-                     helpers: ThreadPoolExecutor) -> tuple[memoryview, int]:
-    """Read up to `file_bytes + 1` bytes into `buf` in pieces (aligned offsets, as O_DIRECT
-    wants), delivering each into the target once the first showed a matching header; returns
-    the bytes read and the header's payload checksum. Sets `target.filled` when the whole
-    payload was delivered and its hash is the header's."""
-    want = file_bytes + 1
-    view = buf[: _fs.round_up(want, _fs.ALIGN)]
-    delivery = _Delivery(target, file_bytes)
-    pending: Future[None] | None = None
-    got = 0
-    try:
-        for lo in range(0, len(view), READ_PIECE_BYTES):
-            hi = min(len(view), lo + READ_PIECE_BYTES)
-            got = lo + _fs.read_range(fd, view, lo, hi)
-            if lo == 0:
-                delivery.first(view[:got])
-            span = delivery.span(lo, got)
-            if span is not None:
-                if pending is not None:
-                    pending.result()
-                pending = helpers.submit(delivery.copy, view, *span)
-            if got < hi:
-                break
-    finally:
-        if pending is not None:
-            pending.result()
-    delivery.finish(got)
-    return view[: min(got, want)], delivery.checksum
-
-
-class _Delivery:
-    """What both delivering reads (`_read_delivering` on a thread, `SSDTier._read_into_on_loop`
-    on the event loop) decide alike: whether the record's header, seen in the first piece,
-    allows delivering it into the target; which bytes of each piece go there, hashed as they are
-    copied; and whether the whole payload arrived with the header's checksum (`finish`)."""
-
-    __slots__ = ("target", "file_bytes", "checksum", "hasher")
-
-    def __init__(self, target: ReadTarget, file_bytes: int) -> None:
-        self.target, self.file_bytes = target, file_bytes
-        self.checksum = 0
-        self.hasher: Any = None  # set once the header allows delivering
-
-    def first(self, head: memoryview) -> None:
-        checksum = _delivery_header(head, self.file_bytes, self.target)
-        if checksum is not None:
-            self.checksum, self.hasher = checksum, xxhash.xxh3_64()
-
-    def span(self, lo: int, got: int) -> tuple[int, int] | None:
-        """The file bytes [start, stop) of the piece read from `lo` up to `got` that go into the
-        target, or None (nothing of it, or no delivery)."""
-        start, stop = max(lo, HEADER_SIZE), min(got, self.file_bytes)
-        return (start, stop) if self.hasher is not None and stop > start else None
-
-    def copy(self, view: memoryview, start: int, stop: int) -> None:
-        """Copy file bytes [start, stop) of `view` into the target, hashing them (in order)."""
-        copy_scattered(self.target.dests, start - HEADER_SIZE, view[start:stop], self.hasher)
-
-    def finish(self, got: int) -> None:
-        if self.hasher is not None and got == self.file_bytes and self.hasher.intdigest() == self.checksum:
-            self.target.filled = True
-
-
-def _delivery_header(head: memoryview, file_bytes: int, target: ReadTarget) -> int | None:
-    """The payload checksum when the record's header allows delivering it into `target`, else None."""
-    try:
-        header, checksum = decode_header(head[:HEADER_SIZE])
-    except RecordError:
-        return None
-    if header.key != target.key or header.flags or HEADER_SIZE + header.stored_length != file_bytes \
-            or target.size != header.stored_length \
-            or (target.expect_tenant is not None and header.tenant_id != target.expect_tenant):
-        return None
-    return checksum
-
-
-@dataclass(slots=True)
-class _DirScan:
-    entries: list[tuple[RecordKey, RecordHeader, int]] = dataclasses.field(default_factory=list)
-    discarded: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotUse:
-    """How the last scan indexed the tier: the records it took from an index snapshot
-    (`tiers.ssd_snapshot`) and the leaf directories it scanned because they changed since (or
-    just before the close); `leaves_scanned` None: no snapshot, every leaf scanned, `why_not` says why."""
-
-    from_snapshot: int
-    leaves_scanned: int | None
-    why_not: str
-
-    def describe(self, indexed: int) -> str:
-        if self.leaves_scanned is None:
-            return f"{indexed} records indexed by a full scan ({self.why_not})"
-        return (f"{indexed} records indexed: {self.from_snapshot} from the snapshot the last clean close saved, "
-                f"the rest by scanning the {self.leaves_scanned} leaf directories changed since")
-
-
-def _write_snapshot(root: Path, entries: list[tuple[RecordHeader, int]], touched: set[ssd_snapshot.Leaf],
-                    opened: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp],
-                    buffers: _fs.IOBuffers) -> tuple[int, int, int]:
-    """Worker thread: the snapshot of the leaves it may vouch for (`ssd_snapshot.vouched`);
-    returns (leaves vouched for, leaves left out, bytes written)."""
-    now = ssd_snapshot.leaf_stamps(root)
-    stamps, vouched = ssd_snapshot.vouched(root, now, entries, touched, opened, RECORD_SUFFIX)
-    return len(stamps), len(now) - len(stamps), ssd_snapshot.write(root, stamps, vouched, buffers)
-
-
-def _list_root(root: Path) -> tuple[list[str], list[str]]:
-    """Worker thread: the first-level fan-out directories, and what else is in the root."""
-    tops, discarded = [], []
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if entry.name in (QUARANTINE_DIR, SPARES_DIR, LOCK_FILE, ssd_snapshot.SNAPSHOT_FILE,
-                              ssd_snapshot.SNAPSHOT_TEMP):
-                continue
-            if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
-                tops.append(entry.name)
-            else:
-                discarded.append(f"{entry.name}: unexpected entry (left alone)")
-    return sorted(tops), sorted(discarded)
-
-
-@dataclass(slots=True)
-class _SpareScan:
-    ready: list[str] = dataclasses.field(default_factory=list)  # empty spares (paths)
-    recycled: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (path, size)
-    recovered: list[str] = dataclasses.field(default_factory=list)  # records moved to their names
-    discarded: list[str] = dataclasses.field(default_factory=list)
-
-
-def _scan_spares(layout: SSDLayout) -> _SpareScan:
-    """Worker thread, before the fan-out walk: an empty spare is a spare, one whose header
-    block is zero a recycled spare; one holding a whole record (header, size and payload
-    checksum) is an acknowledged (or finished) put whose rename did not reach the disk,
-    renamed to its final name now; anything else is torn (quarantined). Ends with one fsync of the spares directory, so the
-    names of the spares it hands back are durable."""
-    out = _SpareScan()
-    spares = layout.spares_dir
-    spares.mkdir(exist_ok=True)
-    moved_into: set[Path] = set()
-    with os.scandir(spares) as entries:
-        names = sorted(e.name for e in entries)
-    for name in names:
-        path = spares / name
-        problem = _scan_spare(layout, path, out, moved_into)
-        if problem:
-            if _fs.quarantine(path, layout.quarantine_dir):
-                out.discarded.append(f"{SPARES_DIR}/{name}: {problem} (quarantined)")
-    for directory in sorted(moved_into):
-        _fs.fsync_dir(directory)
-    _fs.fsync_dir(spares)
-    return out
-
-
-def _scan_spare(layout: SSDLayout, path: Path, out: _SpareScan, moved_into: set[Path]) -> str:
-    """One file of spares/; "" when dealt with, else what is wrong with it."""
-    try:
-        st = os.lstat(path)
-        if not path.name.endswith(SPARE_SUFFIX) or not stat.S_ISREG(st.st_mode):
-            return "unexpected file in the spares directory"
-        if st.st_size == 0:
-            out.ready.append(str(path))
-            return ""
-        if _fs.is_recycled_spare(path):
-            out.recycled.append((str(path), st.st_size))
-            return ""
-        header, _ = _fs.read_header(path)
-        # The payload too (spares holding records are crash leftovers: few): a put torn inside a
-        # recycled spare can leave a new header over old payload bytes at the old file's size.
-        decode_record(path.read_bytes(), expect_key=header.key)
-    except RecordError as exc:
-        return str(exc)
-    except OSError as exc:
-        return f"unreadable ({exc})"
-    final = layout.path(header.key)
-    try:
-        _fs.make_dir_durable(final.parent)
-        os.replace(path, final)  # the spare's record is newer than any file under its name
-    except OSError as exc:
-        return f"whole record not moved to {final.relative_to(layout.root)} ({exc})"
-    moved_into.add(final.parent)
-    out.recovered.append(f"{SPARES_DIR}/{path.name} -> {final.relative_to(layout.root)}")
-    return ""
-
-
-def _scan_top_dirs(layout: SSDLayout, tops: Sequence[str]) -> _DirScan:
-    """Worker thread: classify every file under root/<top>/<sub>/, clean up as it goes."""
-    out = _DirScan()
-    for top in tops:
-        with os.scandir(layout.root / top) as subs:
-            for sub in subs:
-                if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
-                    _scan_leaf(layout, top, sub.name, out)
-                else:
-                    out.discarded.append(f"{top}/{sub.name}: unexpected entry (left alone)")
-    return out
-
-
-def _scan_leaves(layout: SSDLayout, leaves: Sequence[ssd_snapshot.Leaf]) -> _DirScan:
-    """Worker thread: `_scan_leaf` of each of these leaves (those an index snapshot does not cover)."""
-    out = _DirScan()
-    for top, sub in leaves:
-        _scan_leaf(layout, f"{top:02x}", f"{sub:02x}", out)
-    return out
-
-
-def _scan_leaf(layout: SSDLayout, top: str, sub: str, out: _DirScan) -> None:
-    """One leaf directory, opened once: files are opened relative to it (no path walks),
-    which matters at millions of records."""
-    try:
-        fanout = (int(top, 16), int(sub, 16))
-    except ValueError:
-        fanout = (-1, -1)
-    dir_fd = os.open(layout.root / top / sub, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for name in os.listdir(dir_fd):
-            problem = _scan_file(dir_fd, name, fanout, out)
-            if problem:
-                _set_aside(layout, top, sub, name, problem, out)
-    finally:
-        os.close(dir_fd)
-
-
-def _scan_file(dir_fd: int, name: str, fanout: tuple[int, int], out: _DirScan) -> str:
-    """Index one file; "" when done with it, else what is wrong with it."""
-    if name.endswith(TEMP_SUFFIX):
-        return "leftover temp file of an unacknowledged put"
-    key = SSDLayout.key_from_name(name)
-    if key is None or (key[2], key[3]) != fanout:
-        return "unexpected file name or directory"
-    try:
-        header, size = _fs.read_header(name, dir_fd=dir_fd)
-    except RecordError as exc:
-        return str(exc)
-    except OSError as exc:
-        return f"unreadable ({exc})"
-    if header.key != key:
-        return "header key does not match the file name"
-    out.entries.append((key, header, size))
-    return ""
-
-
-def _set_aside(layout: SSDLayout, top: str, sub: str, name: str, problem: str, out: _DirScan) -> None:
-    """Temp leftovers are removed; unreadable files left alone; anything else quarantined."""
-    path = layout.root / top / sub / name
-    where = f"{top}/{sub}/{name}"
-    if name.endswith(TEMP_SUFFIX):
-        _fs.remove_quietly(path)
-        out.discarded.append(f"{where}: {problem} (removed)")
-    elif problem.startswith("unreadable"):
-        out.discarded.append(f"{where}: {problem}; left in place, not indexed")
-    else:
-        _fs.quarantine(path, layout.quarantine_dir)
-        out.discarded.append(f"{where}: {problem} (quarantined)")
 
 
 class SSDTier(Tier):
@@ -948,8 +351,8 @@ class SSDTier(Tier):
         self._dirs: dict[tuple[str, str], bool] = {}
         self._tmp_tag = f"{os.getpid():x}{secrets.token_hex(3)}"
         self._tmp_seq = itertools.count()
-        self._spares = _SparePool(spare_files)
-        self._recycled = _RecyclePool(recycle_bytes)
+        self._spares = SparePool(spare_files)
+        self._recycled = RecyclePool(recycle_bytes)
         self._spare_seq = itertools.count()
         self._refill_task: asyncio.Task[None] | None = None
         self._puts_in_flight = 0  # put/put_many calls running (a refill waits for none, `_wait_quiet`)
@@ -1072,7 +475,7 @@ class SSDTier(Tier):
         async with self._gate.exclusive():
             entries = [(entry.header, entry.file_bytes) for entry in self._index.values()]
             try:
-                kept, left_out, nbytes = await self._run(_write_snapshot, self._layout.root, entries,
+                kept, left_out, nbytes = await self._run(write_snapshot, self._layout.root, entries,
                                                          self._touched, self._opened_stamps, self._buffers)
             except OSError as exc:
                 logger.warning("ssd tier %s: index snapshot not written (%s): the next open scans every record",
@@ -1385,7 +788,7 @@ class SSDTier(Tier):
         record is durable in the spare, whose name was durable before the put; a crash that
         loses the directory loses the rename with it (metadata reaches an ext4 or XFS journal
         in order), and the scan moves the whole record from the spare into a directory it makes
-        durable (`_scan_spare`). A first put into each of the 65,536 directories skips a
+        durable (`tiers.ssd_scan`). A first put into each of the 65,536 directories skips a
         journal commit that way (~0.5-0.9 ms of a 32 MiB put on the development VM)."""
         state = self._dirs.get((top, sub))
         if state or (state is not None and not durable):
@@ -1420,22 +823,22 @@ class SSDTier(Tier):
         target = self._targets.get(key) if self._targets else None
         if target is not None and entry.file_bytes >= DELIVER_MIN_BYTES and self._helpers is not None:
             result = await self._read_into_on_loop(path, key, entry, target) or \
-                await self._run(_read_record_into, path, key, entry.file_bytes, self._read_direct(entry),
+                await self._run(read_record_into, path, key, entry.file_bytes, self._read_direct(entry),
                                 self._buffers, target, self._helpers)
         else:
             result = await self._read_on_loop(path, key, entry) or \
-                await self._run(_read_record, path, key, entry.file_bytes, *self._read_mode(entry), self._buffers)
+                await self._run(read_record, path, key, entry.file_bytes, *self._read_mode(entry), self._buffers)
         return result.record if result.record is not None else await self._finish_get(key, path, result)
 
-    async def _read_on_loop(self, path: str, key: RecordKey, entry: _Entry) -> _ReadResult | None:
-        """`_read_record` on the event loop (`tiers._aio`: no thread hop), or None where it
+    async def _read_on_loop(self, path: str, key: RecordKey, entry: _Entry) -> ReadResult | None:
+        """`read_record` on the event loop (`tiers._aio`: no thread hop), or None where it
         would wait on the loop (a path not in the lookup cache, a read that would block, no
         native AIO) or the record is not one for it: the caller then reads on a worker thread."""
         aio = self._aio
         if aio is None or not self._loop_readable(entry) or not aio.usable():
             return None
         lend = self._read_mode(entry)[1]
-        fd = _open_on_loop(aio, path)
+        fd = open_on_loop(aio, path)
         if not isinstance(fd, int):
             return fd
         want = entry.file_bytes + 1  # one byte more: a file that grew shows as too long
@@ -1458,7 +861,7 @@ class SSDTier(Tier):
             if isinstance(exc, WouldBlock):
                 return None
             if isinstance(exc, OSError):
-                return _ReadResult(None, error=exc)
+                return ReadResult(None, error=exc)
             raise
         try:
             got = await fut
@@ -1467,18 +870,18 @@ class SSDTier(Tier):
             raise
         except (WouldBlock, OSError) as exc:
             release()
-            return _ReadResult(None, error=exc) if isinstance(exc, OSError) else None
+            return ReadResult(None, error=exc) if isinstance(exc, OSError) else None
         if got < entry.file_bytes:  # fewer bytes than the index knows: the thread path reads it
             release()               # again and judges it (a truncated file is quarantined there)
             return None
         try:
-            return _decoded(fd, key, buf[:min(got, want)], lend)
+            return decoded(fd, key, buf[:min(got, want)], lend)
         finally:
             release()
 
     async def _read_into_on_loop(self, path: str, key: RecordKey, entry: _Entry, target: ReadTarget
-                                 ) -> _ReadResult | None:
-        """`_read_record_into` with its reads on the event loop (`tiers._aio`): READ_WINDOW pieces
+                                 ) -> ReadResult | None:
+        """`read_record_into` with its reads on the event loop (`tiers._aio`): READ_WINDOW pieces
         in flight, each copied into the target (and hashed) on a helper thread once it and the
         pieces before it have landed; a piece whose read would wait (RWF_NOWAIT) or finds the AIO
         context full is read on a helper thread instead. None where it cannot start or finish
@@ -1488,33 +891,33 @@ class SSDTier(Tier):
         aio, helpers = self._aio, self._helpers
         if aio is None or helpers is None or not self._read_direct(entry) or not aio.usable():
             return None
-        fd = _open_on_loop(aio, path)
+        fd = open_on_loop(aio, path)
         if not isinstance(fd, int):
             return fd
         try:
             inode = os.fstat(fd).st_ino  # a bad record's file is quarantined by the inode read
         except OSError as exc:
             os.close(fd)
-            return _ReadResult(None, error=exc)
+            return ReadResult(None, error=exc)
         loop = asyncio.get_running_loop()
         file_bytes = entry.file_bytes
         size = _fs.round_up(file_bytes + 1, _fs.ALIGN)
         view = self._buffers.lend(size)[:size]
         pieces = iter(range(0, len(view), READ_PIECE_BYTES))
-        reads: collections.deque[_PieceRead] = collections.deque()
+        reads: collections.deque[PieceRead] = collections.deque()
         copying: Future[None] | None = None  # the copy in flight into the target, on a helper thread
-        delivery = _Delivery(target, file_bytes)
+        delivery = Delivery(target, file_bytes)
         got = 0
 
-        def on_thread(lo: int, hi: int) -> _PieceRead:
-            return _PieceRead(lo, hi, None, helpers.submit(_fs.read_range, fd, view, lo, hi))
+        def on_thread(lo: int, hi: int) -> PieceRead:
+            return PieceRead(lo, hi, None, helpers.submit(_fs.read_range, fd, view, lo, hi))
 
         def read_next() -> None:
             lo = next(pieces, None)
             if lo is not None:
                 hi = min(len(view), lo + READ_PIECE_BYTES)
                 try:
-                    reads.append(_PieceRead(lo, hi, aio.submit(fd, view[lo:hi], lo)))
+                    reads.append(PieceRead(lo, hi, aio.submit(fd, view[lo:hi], lo)))
                 except WouldBlock:  # a full context: this piece on a thread
                     reads.append(on_thread(lo, hi))
 
@@ -1545,21 +948,21 @@ class SSDTier(Tier):
             if copying is not None:
                 await asyncio.wrap_future(copying)
         except OSError as exc:
-            return _ReadResult(None, error=exc)
+            return ReadResult(None, error=exc)
         finally:
-            await _settle_loop_reads(aio, reads, copying, fd)
+            await settle_loop_reads(aio, reads, copying, fd)
         if got < file_bytes:
             return None  # fewer bytes than the index knows: the thread path reads it again and judges it
         data = view[: min(got, file_bytes + 1)]
         delivery.finish(got)
         if target.filled:
             header, _ = decode_header(data[:HEADER_SIZE])
-            return _ReadResult(Record(header, data[HEADER_SIZE:].toreadonly(), delivery.checksum))
+            return ReadResult(Record(header, data[HEADER_SIZE:].toreadonly(), delivery.checksum))
         try:  # not delivered (a header the target does not match, a bad record): verified as a plain get
-            return _ReadResult(await loop.run_in_executor(
+            return ReadResult(await loop.run_in_executor(
                 helpers, functools.partial(decode_record, data, expect_key=key, keep_view=True)))
         except RecordError as exc:
-            return _ReadResult(None, inode, str(exc))
+            return ReadResult(None, inode, str(exc))
 
     @contextlib.contextmanager
     def reading_into(self, key: RecordKey, dest: memoryview | Sequence[memoryview],
@@ -1621,7 +1024,7 @@ class SSDTier(Tier):
     async def _get_many_on_threads(self, jobs: list[_GetJob], out: list[Record | None]) -> None:
         shares = self._shares(jobs)
         results = await asyncio.gather(*(
-            self._run(_read_records, [(p, k, e.file_bytes, *self._read_mode(e)) for _, p, k, e in share], self._buffers)
+            self._run(read_records, [(p, k, e.file_bytes, *self._read_mode(e)) for _, p, k, e in share], self._buffers)
             for share in shares))
         for share, share_results in zip(shares, results):
             for (i, path, key, _), result in zip(share, share_results):
@@ -1642,7 +1045,7 @@ class SSDTier(Tier):
 
         await asyncio.gather(*(share(part) for part in self._shares(jobs)))
 
-    async def _finish_get(self, key: RecordKey, path: str, result: _ReadResult) -> Record | None:
+    async def _finish_get(self, key: RecordKey, path: str, result: ReadResult) -> Record | None:
         if result.record is not None:
             return result.record
         if result.missing:
@@ -1659,7 +1062,7 @@ class SSDTier(Tier):
                 logger.warning("ssd record %s vanished from the disk; dropped from the index", key.hex())
                 self._index_remove(key)
 
-    async def _quarantine_bad(self, key: RecordKey, path: str, result: _ReadResult) -> None:
+    async def _quarantine_bad(self, key: RecordKey, path: str, result: ReadResult) -> None:
         """Move the corrupt file aside, unless a newer put already replaced it."""
         async with self._gate.mutation(), self._locks.hold(key):
             inode = None if result.inode < 0 else result.inode
@@ -1838,19 +1241,19 @@ class SSDTier(Tier):
             saved, why = await self._run(ssd_snapshot.take, root) if snapshot else (None, "not asked for")
             if saved is not None and not self._index_snapshot:  # taken all the same: never left to go stale
                 saved, why = None, "index snapshots are off (storage.ssd_index_snapshot)"
-            spares = await self._run(_scan_spares, self._layout)
+            spares = await self._run(scan_spares, self._layout)
             self._spares.ready = collections.deque(spares.ready)
             self._adopt_recycled(spares.recycled)
             for line in spares.recovered:
                 logger.info("ssd scan of %s: a whole record under a spare name, moved to its own: %s", root, line)
-            tops, discarded = await self._run(_list_root, root)
+            tops, discarded = await self._run(list_root, root)
             discarded = spares.discarded + discarded
             # `_opened_stamps`: the leaves as this scan leaves them (it removes and quarantines),
             # what a clean close compares the leaves it did not change with (`ssd_snapshot.vouched`).
             trusted: list[tuple[RecordHeader, int]] = []
             if saved is None:
                 chunks = [tops[i: i + SCAN_CHUNK] for i in range(0, len(tops), SCAN_CHUNK)]
-                scans = await asyncio.gather(*(self._run(_scan_top_dirs, self._layout, c) for c in chunks))
+                scans = await asyncio.gather(*(self._run(scan_top_dirs, self._layout, c) for c in chunks))
                 self.snapshot_use = SnapshotUse(0, None, why)
                 self._opened_stamps = await self._run(ssd_snapshot.leaf_stamps, root) if self._index_snapshot else None
             else:
@@ -1858,7 +1261,7 @@ class SSDTier(Tier):
                 changed, unchanged = ssd_snapshot.trusted_entries(saved, stamps)
                 trusted = list(unchanged)
                 chunks = [changed[i: i + SCAN_CHUNK * 16] for i in range(0, len(changed), SCAN_CHUNK * 16)]
-                scans = await asyncio.gather(*(self._run(_scan_leaves, self._layout, c) for c in chunks))
+                scans = await asyncio.gather(*(self._run(scan_leaves, self._layout, c) for c in chunks))
                 self.snapshot_use = SnapshotUse(len(trusted), len(changed), "")
                 self._opened_stamps = await self._run(ssd_snapshot.restamped, root, stamps, changed)
             for part in scans:

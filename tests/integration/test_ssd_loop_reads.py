@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 import tiers.ssd as ssd_module
+import tiers.ssd_reads as ssd_reads
 from tests.integration.test_ssd_tier import assert_same, rec, record_path
 from tests.proc import fds_on
 from tiers._aio import AioReads, WouldBlock
 from tiers._fs import map_io_buffer
-from tiers.ssd import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES, SSDTier
+from tiers.ssd import SSDTier
+from tiers.ssd_reads import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
                                 reason="native AIO reads exist on Linux x86_64 / aarch64 only")
@@ -34,13 +36,14 @@ def thread_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The keys read on a worker thread (a spy around the tier's thread-side read, which
     `get` and `get_many`'s shares both call)."""
     seen: list[str] = []
-    real = ssd_module._read_record
+    real = ssd_module.read_record
 
     def spy(path: str, key: bytes, *args: object) -> object:
         seen.append(key.hex())
         return real(path, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ssd_module, "_read_record", spy)
+    monkeypatch.setattr(ssd_module, "read_record", spy)  # get's
+    monkeypatch.setattr(ssd_reads, "read_record", spy)  # get_many's (`read_records`)
     return seen
 
 

@@ -26,7 +26,8 @@ from tests.proc import fds_on, freeze
 from tiers._fs import read_header
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, encode_record, make_record
 from tiers import _fs
-from tiers.ssd import INDEX_ENTRY_BYTES, LEND_MIN_BYTES, SMALL_LEND_MIN_BYTES, SSDTier
+from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
+from tiers.ssd_reads import LEND_MIN_BYTES, SMALL_LEND_MIN_BYTES
 
 CHILD = Path(__file__).with_name("ssd_writer_child.py")
 
@@ -954,8 +955,8 @@ async def test_a_get_delivers_into_a_registered_target_while_it_reads(tmp_path: 
     copied at all; a corrupt one leaves the target unfilled and is quarantined; small records,
     a second target for a key already targeted and gets after the context are not delivered.
     Both ways of reading: native AIO on the event loop (`_read_into_on_loop`, where the kernel
-    has it) and pieces on a thread (`_read_record_into`)."""
-    from tiers.ssd import DELIVER_MIN_BYTES, READ_PIECE_BYTES, READ_WINDOW
+    has it) and pieces on a thread (`tiers.ssd_reads.read_record_into`)."""
+    from tiers.ssd_reads import DELIVER_MIN_BYTES, READ_PIECE_BYTES, READ_WINDOW
 
     import tiers.ssd as ssd_module
 
@@ -965,8 +966,8 @@ async def test_a_get_delivers_into_a_registered_target_while_it_reads(tmp_path: 
         on_threads.append(key)
         return real(path, key, *args)
 
-    real = ssd_module._read_record_into
-    monkeypatch.setattr(ssd_module, "_read_record_into", read_record_into)
+    real = ssd_module.read_record_into
+    monkeypatch.setattr(ssd_module, "read_record_into", read_record_into)
     tier = await SSDTier.create(tmp_path / "ssd", loop_reads=loop_reads)
     try:
         big = rec(1, (READ_WINDOW + 2) * READ_PIECE_BYTES + 12345)
@@ -1011,7 +1012,7 @@ async def test_a_delivering_get_on_the_loop_falls_back_or_stops_cleanly(tmp_path
     left to the thread path, which quarantines it; a get cancelled while its pieces are in flight
     writes nothing into the target once the cancellation has returned, and leaves no descriptor
     open; the next get of the record is delivered whole."""
-    from tiers.ssd import READ_PIECE_BYTES, READ_WINDOW
+    from tiers.ssd_reads import READ_PIECE_BYTES, READ_WINDOW
 
     tier = await SSDTier.create(tmp_path / "ssd")
     try:
