@@ -89,7 +89,8 @@ import zstandard
 from bench.common import RESULTS_DIR, Floor, print_floors, print_table, write_results
 from statestore.allocator import keep_large_buffers_in_heap
 from tiers.record import Record, encode_record, make_record
-from tiers._fs import IOBuffers, make_spares, map_io_buffer, write_new, write_spare
+from tiers._fs import make_spares, write_new, write_spare
+from tiers._iobuffers import IOBuffers, map_io_buffer
 from tiers.ssd import OVERLAP_DIR_SYNC_MIN_BYTES, SSDTier
 from tiers.ssd_reads import read_record
 
@@ -189,7 +190,7 @@ async def measure(num_rounds: int, sides: dict[str, Callable[[], Awaitable[float
 # ----- SSD references: plain file I/O on the same bytes ------------------------------------
 
 def _aligned(data: bytes) -> tuple[memoryview, int]:
-    """The references' I/O buffer: the tier's own kind (`tiers._fs.map_io_buffer`, huge pages
+    """The references' I/O buffer: the tier's own kind (`tiers._iobuffers.map_io_buffer`, huge pages
     where the kernel gives them), so that the reference is the disk's limit and not a buffer
     whose scattered pages split every O_DIRECT request (a shared `mmap.mmap(-1, n)` measured
     1.5-2.2x slower for 1-4 MiB reads on the development VM)."""

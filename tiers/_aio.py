@@ -46,7 +46,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiers._fs import address_of
+from tiers._iobuffers import address_of
 
 logger = logging.getLogger(__name__)
 

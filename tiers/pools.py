@@ -40,7 +40,7 @@ import mmap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiers._fs import advise_huge_pages, private_map
+from tiers._iobuffers import advise_huge_pages, private_map
 from tiers.base import KindUsage
 from tiers.record import HEADER_SIZE, RECORD_KEY_BYTES
 

@@ -46,7 +46,7 @@ to `recycle_bytes`, and are unlinked first when a put needs their room.
 
 Every disk operation is one call on the tier's own threads (`max_concurrency` of them, `tiers._hop`):
 encode + write + syncs for a put, open + read + verify for a get. Each takes an aligned I/O
-buffer from the tier's pool (`tiers._fs.IOBuffers`: huge pages from 512 KiB, mapped and faulted
+buffer from the tier's pool (`tiers._iobuffers.IOBuffers`: huge pages from 512 KiB, mapped and faulted
 in once, reused by whichever thread runs the next operation). A get of a record from 128 KiB
 (`SMALL_LEND_MIN_BYTES`, `LEND_MIN_BYTES`) returns its payload as a read-only view of the buffer
 it was read into, which goes back to the pool when the caller drops the payload, instead of
@@ -69,7 +69,8 @@ This module is the tier itself: its index and budget, puts, gets, deletes, and t
 which they may run. Its parts, each with one job: `tiers.ssd_layout` (where a key's file
 lives), `tiers.ssd_reads` (open, read, verify, deliver), `tiers.ssd_scan` (what the start-up
 finds on disk), `tiers.ssd_spares` (the pools of durable names), `tiers.ssd_snapshot` (the
-index a clean close saves), `tiers._fs` (the durable-write protocols and I/O buffers).
+index a clean close saves), `tiers._fs` (the durable-write protocols), `tiers._iobuffers` (the
+aligned buffers they and the reads use).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ import aiofiles.os
 from tiers import _fs, ssd_snapshot
 from tiers._aio import DEFAULT_POLL_S, AioReads, Unsupported, WouldBlock
 from tiers._hop import Workers
+from tiers._iobuffers import ALIGN, SMALL_IO_BUFFER_BYTES, IOBuffers, round_up
 from tiers.base import KindUsage, ScanResult, Tier, TierUsage
 from tiers.locks import KeyLocks
 from tiers.offload import wait_through_cancel
@@ -150,7 +152,7 @@ DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journa
 # behind a write this long; below it the extra thread handoff cost about what it saved
 # (bench/tiers.py, 256 KiB vs 1 and 4 MiB).
 OVERLAP_DIR_SYNC_MIN_BYTES = 1 << 20
-# Free I/O buffers the tier keeps beyond one per thread, for a second (`tiers._fs.IOBuffers`):
+# Free I/O buffers the tier keeps beyond one per thread, for a second (`tiers._iobuffers.IOBuffers`):
 # a get_many of large records holds one lent buffer per record until its caller drops the
 # payloads, and mapping and faulting them in anew for each batch cost 1 MiB gets at queue
 # depth 4 about a third of their speed (32 records: 0.53 of the O_DIRECT reference -> 0.80).
@@ -202,7 +204,7 @@ def estimate_index_entry_bytes() -> int:
              header.parent_key, header.created_at_ns, header.raw_length, header.token_start,
              header.token_end, header.entry_count, header.stored_length]
     dict_slot = 3 * 8 * 3 // 2 + 8  # hash, key, value pointers at 2/3 load, plus the index
-    return _fs.round_up(sum(sys.getsizeof(p) for p in parts) + dict_slot, 16)
+    return round_up(sum(sys.getsizeof(p) for p in parts) + dict_slot, 16)
 
 
 INDEX_ENTRY_BYTES = estimate_index_entry_bytes()
@@ -338,7 +340,7 @@ class SSDTier(Tier):
         self._zstd_kinds = dict(zstd_kinds or {})
         self._direct_io_min_bytes = direct_io_min_bytes
         self._max_concurrency = max_concurrency
-        self._buffers = _fs.IOBuffers(max_concurrency, RETAIN_BUFFER_BYTES)  # aligned I/O buffers (lent ones too)
+        self._buffers = IOBuffers(max_concurrency, RETAIN_BUFFER_BYTES)  # aligned I/O buffers (lent ones too)
         self._staged: dict[int, _fs.Staged] = {}  # id(payload) -> records staged for a put (`staging`)
         self._targets: dict[RecordKey, ReadTarget] = {}  # key -> where a get delivers it (`reading_into`)
         self._index: dict[RecordKey, _Entry] = {}
@@ -560,7 +562,7 @@ class SSDTier(Tier):
     # ----- accounting -------------------------------------------------------------------
 
     def _footprint_of(self, file_bytes: int) -> int:
-        return _fs.round_up(file_bytes, self._block_bytes) + INDEX_ENTRY_BYTES
+        return round_up(file_bytes, self._block_bytes) + INDEX_ENTRY_BYTES
 
     def _file_bytes(self, record: Record) -> int:
         level = self._zstd_kinds.get(record.header.kind)
@@ -842,7 +844,7 @@ class SSDTier(Tier):
         if not isinstance(fd, int):
             return fd
         want = entry.file_bytes + 1  # one byte more: a file that grew shows as too long
-        size = _fs.round_up(want, _fs.ALIGN)
+        size = round_up(want, ALIGN)
         buf = self._buffers.lend(size) if lend else self._buffers.take(size)
 
         def release() -> None:
@@ -901,7 +903,7 @@ class SSDTier(Tier):
             return ReadResult(None, error=exc)
         loop = asyncio.get_running_loop()
         file_bytes = entry.file_bytes
-        size = _fs.round_up(file_bytes + 1, _fs.ALIGN)
+        size = round_up(file_bytes + 1, ALIGN)
         view = self._buffers.lend(size)[:size]
         pieces = iter(range(0, len(view), READ_PIECE_BYTES))
         reads: collections.deque[PieceRead] = collections.deque()
@@ -991,7 +993,7 @@ class SSDTier(Tier):
         """(O_DIRECT, lend the read buffer as the payload) for a read of `entry`."""
         size = entry.file_bytes
         return self._read_direct(entry), size >= LEND_MIN_BYTES or \
-            SMALL_LEND_MIN_BYTES <= size and _fs.round_up(size + 1, _fs.ALIGN) <= _fs.SMALL_IO_BUFFER_BYTES
+            SMALL_LEND_MIN_BYTES <= size and round_up(size + 1, ALIGN) <= SMALL_IO_BUFFER_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
         """Reads split over `max_concurrency` worker threads, one thread hop per share, while

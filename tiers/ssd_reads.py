@@ -19,15 +19,16 @@ import xxhash
 
 from tiers import _fs
 from tiers._aio import AioReads, WouldBlock
+from tiers._iobuffers import ALIGN, IOBuffers, round_up
 from tiers.offload import wait_through_cancel
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordKey, copy_scattered, decode_header, decode_record
 
 # A get (or get_many) of a record at least this large returns its payload as a view of the
-# pooled (huge-page) buffer it was read into, instead of a copy (`tiers._fs.IOBuffers.lend`);
+# pooled (huge-page) buffer it was read into, instead of a copy (`tiers._iobuffers.IOBuffers.lend`);
 # the buffer is busy until the caller drops the payload (a batch maps one per record held, as
 # a copy would allocate one).
 LEND_MIN_BYTES = 1 << 20
-# Records from this size whose read buffer is a small one (up to `tiers._fs.SMALL_IO_BUFFER_BYTES`:
+# Records from this size whose read buffer is a small one (up to `tiers._iobuffers.SMALL_IO_BUFFER_BYTES`:
 # a plain map of the record's size, rounded to 4 KiB) are lent as well: a held payload pins what
 # its copy would. Those between (~0.5-1 MiB) are copied: their buffer is a 2 MiB huge page. The
 # copy and its allocation were what the machine's two cores could least afford with several
@@ -75,7 +76,7 @@ class ReadResult:
     error: OSError | None = None  # the read itself failed (-> a miss, file left alone)
 
 
-def read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffers: _fs.IOBuffers) -> list[ReadResult]:
+def read_records(jobs: Sequence[tuple[str, RecordKey, int, bool, bool]], buffers: IOBuffers) -> list[ReadResult]:
     """Worker thread: `read_record` for each (path, key, file size, direct, lend); never raises per file."""
     return [read_record(path, key, file_bytes, direct, lend, buffers) for path, key, file_bytes, direct, lend in jobs]
 
@@ -91,7 +92,7 @@ def open_record(path: str, direct: bool) -> int | ReadResult:
 
 
 def read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend: bool,
-                 buffers: _fs.IOBuffers) -> ReadResult:
+                 buffers: IOBuffers) -> ReadResult:
     """One open, one read of the indexed size (+1 byte: a grown file shows as too long)
     into an aligned buffer of `buffers`, verified there. The payload is copied out, or with
     `lend` is a read-only view of the buffer, which goes back to the pool once the caller
@@ -102,8 +103,8 @@ def read_record(path: str, key: RecordKey, file_bytes: int, direct: bool, lend: 
         return fd
     try:
         if lend:
-            return read_verified(fd, key, file_bytes, buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN)), True)
-        with buffers.lease(_fs.round_up(file_bytes + 1, _fs.ALIGN)) as buf:
+            return read_verified(fd, key, file_bytes, buffers.lend(round_up(file_bytes + 1, ALIGN)), True)
+        with buffers.lease(round_up(file_bytes + 1, ALIGN)) as buf:
             return read_verified(fd, key, file_bytes, buf, False)
     finally:
         os.close(fd)
@@ -208,7 +209,7 @@ class ReadTarget:
         return sum(len(d) for d in self.dests)
 
 
-def read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: _fs.IOBuffers,
+def read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, buffers: IOBuffers,
                       target: ReadTarget, helpers: ThreadPoolExecutor) -> ReadResult:
     """`read_record` (lending the buffer) that also delivers the payload into `target`: the file
     is read in pieces, and each piece is copied into `target.dest` and hashed on a helper thread
@@ -218,7 +219,7 @@ def read_record_into(path: str, key: RecordKey, file_bytes: int, direct: bool, b
     if isinstance(fd, ReadResult):
         return fd
     try:
-        buf = buffers.lend(_fs.round_up(file_bytes + 1, _fs.ALIGN))
+        buf = buffers.lend(round_up(file_bytes + 1, ALIGN))
         try:
             view, checksum = _read_delivering(fd, file_bytes, buf, target, helpers)
         except OSError as exc:
@@ -238,7 +239,7 @@ def _read_delivering(fd: int, file_bytes: int, buf: memoryview, target: ReadTarg
     the bytes read and the header's payload checksum. Sets `target.filled` when the whole
     payload was delivered and its hash is the header's."""
     want = file_bytes + 1
-    view = buf[: _fs.round_up(want, _fs.ALIGN)]
+    view = buf[: round_up(want, ALIGN)]
     delivery = Delivery(target, file_bytes)
     pending: Future[None] | None = None
     got = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiers import _fs, ssd_snapshot
+from tiers._iobuffers import IOBuffers
 from tiers.record import RecordError, RecordHeader, RecordKey, decode_record
 from tiers.ssd_layout import LOCK_FILE, QUARANTINE_DIR, RECORD_SUFFIX, SPARE_SUFFIX, SPARES_DIR, TEMP_SUFFIX, SSDLayout
 
@@ -45,7 +46,7 @@ class SnapshotUse:
 
 def write_snapshot(root: Path, entries: list[tuple[RecordHeader, int]], touched: set[ssd_snapshot.Leaf],
                     opened: dict[ssd_snapshot.Leaf, ssd_snapshot.LeafStamp],
-                    buffers: _fs.IOBuffers) -> tuple[int, int, int]:
+                    buffers: IOBuffers) -> tuple[int, int, int]:
     """Worker thread: the snapshot of the leaves it may vouch for (`ssd_snapshot.vouched`);
     returns (leaves vouched for, leaves left out, bytes written)."""
     now = ssd_snapshot.leaf_stamps(root)

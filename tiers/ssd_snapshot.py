@@ -45,6 +45,7 @@ from pathlib import Path
 import xxhash
 
 from tiers import _fs
+from tiers._iobuffers import IOBuffers
 from tiers.record import HEADER_SIZE, RecordError, RecordHeader, decode_header, encode_header
 
 SETTLE_NS = 1_000_000_000  # leaves changed this recently before a close are left to the next open's scan
@@ -190,7 +191,7 @@ def vouched(root: Path, now: dict[Leaf, LeafStamp], entries: Iterable[tuple[Reco
 
 
 def write(root: Path, stamps: dict[Leaf, LeafStamp], entries: Iterable[tuple[RecordHeader, int]],
-          buffers: _fs.IOBuffers) -> int:
+          buffers: IOBuffers) -> int:
     """Write the snapshot durably, as the tier replaces a record (`_fs.write_durable`: temp file,
     fdatasync, rename, root fsync; `buffers` unused by a buffered write); returns its bytes."""
     blob = encode(stamps, entries)

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiers import _fs
+from tiers._iobuffers import round_up
 
 # Spare files kept ready for new keys. The pool starts at INITIAL_SPARE_FILES and doubles,
 # up to `spare_files`, each time claims bring it down to a quarter (a tier that sees few new
@@ -68,7 +68,7 @@ class RecyclePool:
     held_bytes: int = 0  # block-rounded sizes of every file above, and of those being recycled
 
     def footprint(self, size: int) -> int:
-        return _fs.round_up(size, self.block_bytes)
+        return round_up(size, self.block_bytes)
 
     def admit(self, size: int) -> bool:
         """Reserve room for one more file of `size` (False: over the limit, unlink it instead)."""

@@ -19,7 +19,7 @@ import tiers.ssd_reads as ssd_reads
 from tests.integration.test_ssd_tier import assert_same, rec, record_path
 from tests.proc import fds_on
 from tiers._aio import AioReads, WouldBlock
-from tiers._fs import map_io_buffer
+from tiers._iobuffers import map_io_buffer
 from tiers.ssd import SSDTier
 from tiers.ssd_reads import LEND_MIN_BYTES, LOOP_READ_MAX_FILE_BYTES
 

@@ -24,6 +24,7 @@ import pytest
 
 from tests.proc import fds_on, freeze
 from tiers._fs import read_header
+from tiers._iobuffers import ALIGN, round_up
 from tiers.record import HEADER_SIZE, Record, RecordError, RecordHeader, decode_record, encode_record, make_record
 from tiers import _fs
 from tiers.ssd import INDEX_ENTRY_BYTES, SSDTier
@@ -821,7 +822,7 @@ async def test_large_get_lends_its_read_buffer_and_takes_it_back(fs_dirs: list[P
         assert_same(again, big[2])
         got_small = await tier.get(small.key)
         assert isinstance(got_small.payload, memoryview) and got_small.payload.readonly
-        assert len(got_small.payload.obj) == _fs.round_up(HEADER_SIZE + 300_000 + 1, _fs.ALIGN)  # not 2 MiB
+        assert len(got_small.payload.obj) == round_up(HEADER_SIZE + 300_000 + 1, ALIGN)  # not 2 MiB
         assert_same(got_small, small)
         assert isinstance((await tier.get(middle.key)).payload, bytes)
         assert isinstance((await tier.get(tiny.key)).payload, bytes)
@@ -1239,7 +1240,7 @@ async def test_a_deleted_records_file_is_overwritten_by_the_next_record_of_its_s
     inode = record_path(tier._layout.root, first).stat().st_ino
     assert await tier.delete(first.key)
     assert_recycled(tier, 1)
-    assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + 300_000, 4096)
+    assert tier.usage().reserve_bytes == round_up(HEADER_SIZE + 300_000, 4096)
     assert await tier.get(first.key) is None
     assert await tier.put(other_size)
     assert record_path(tier._layout.root, other_size).stat().st_ino != inode
@@ -1269,10 +1270,10 @@ async def test_a_recycled_spare_never_brings_its_record_back_and_is_reused_after
     try:
         assert tier.last_scan.headers == [] and tier.last_scan.discarded == []
         assert [await tier.get(r.key) for r in records] == [None, None]
-        assert tier.usage().reserve_bytes == 2 * _fs.round_up(HEADER_SIZE + 150_000, 4096)
+        assert tier.usage().reserve_bytes == 2 * round_up(HEADER_SIZE + 150_000, 4096)
         again = rec(7, 150_000)
         assert await tier.put(again)
-        assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + 150_000, 4096)
+        assert tier.usage().reserve_bytes == round_up(HEADER_SIZE + 150_000, 4096)
         assert_same(await tier.get(again.key), again)
     finally:
         await tier.aclose()
@@ -1310,7 +1311,7 @@ async def test_a_whole_record_in_a_recycled_spare_is_recovered_at_scan(tmp_path:
         assert_same(await tier.get(acknowledged.key), acknowledged)
         assert await tier.get(torn_late.key) is None
         assert len(list((tier._layout.root / "quarantine").iterdir())) == 1
-        assert tier.usage().reserve_bytes == _fs.round_up(HEADER_SIZE + size, 4096)
+        assert tier.usage().reserve_bytes == round_up(HEADER_SIZE + size, 4096)
     finally:
         await tier.aclose()
 
@@ -1319,7 +1320,7 @@ async def test_recycled_spares_count_against_the_budget_and_give_way_to_a_put(tm
     """Records plus recycled spares stay within the budget; a put of another size that needs
     their room gets it (they are unlinked), where it would otherwise be refused."""
     size = 150_000
-    footprint = _fs.round_up(HEADER_SIZE + size, 4096) + INDEX_ENTRY_BYTES
+    footprint = round_up(HEADER_SIZE + size, 4096) + INDEX_ENTRY_BYTES
     tier = await SSDTier.create(tmp_path / "ssd", budget_bytes=3 * footprint + 4096, recycle_bytes=2 * footprint)
     try:
         kept = [rec(i, size) for i in range(3)]
@@ -1328,7 +1329,7 @@ async def test_recycled_spares_count_against_the_budget_and_give_way_to_a_put(tm
             assert await tier.delete(r.key)
         assert_recycled(tier, 2)
         usage = tier.usage()
-        assert usage.reserve_bytes == 2 * _fs.round_up(HEADER_SIZE + size, 4096)
+        assert usage.reserve_bytes == 2 * round_up(HEADER_SIZE + size, 4096)
         assert usage.resident_bytes + usage.reserve_bytes <= 3 * footprint + 4096
         bigger = rec(20, 2 * size)  # needs the room of both
         assert await tier.put(bigger)
