@@ -25,7 +25,7 @@ are not yet `acked`) are counted by reservation instead, so concurrent puts of o
 cannot together overshoot. Quotas are per node: records only a shared tier holds (written by
 another node) are not counted until this node indexes them.
 
-Isolation needs no help from here (auth.py, keys.py, server.py): a tenant's keys are MAC'd
+Isolation needs no help from here (auth.py, keys.py, store_service.py): a tenant's keys are MAC'd
 with its salt, and every per-record answer is filtered by tenant. The store-wide totals of
 `Stats` (bytes and records per tier and kind, hit/miss counters, live sessions) name no key
 and no session, and another tenant's keys cannot be computed without its salt, so they

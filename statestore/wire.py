@@ -19,7 +19,7 @@ the wire, the byte 0x12 (field 2, length-delimited), a varint length and the byt
 `data_frame` builds that serialized message with one copy of the slice and
 `split_data_frame` reads it back without copying. Anything else (a `start`, or a frame a
 foreign client encoded differently) goes through the generated protobuf classes in
-server.py/client.py, which import them; this module imports no generated code.
+store_service.py/client.py, which import them; this module imports no generated code.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ async def test_list_is_oldest_first_per_tenant_and_kind_across_chunks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """List reads the index in chunks, yielding between them; whatever the chunking, it answers
     the caller's records of the kind asked, oldest first, the first `limit` of them."""
-    import statestore.server as server_module
+    import statestore.store_service as server_module
 
     monkeypatch.setattr(server_module, "LIST_CHUNK", 3)
     mine = [record(server, i, 256, kind=1 + i % 2) for i in range(1, 12)]
@@ -181,7 +181,7 @@ async def test_register_model_then_its_records_are_accepted(alice: StateStoreCli
 async def test_register_model_is_bounded(alice: StateStoreClient, server: StateStoreServer,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Each new description adds a fingerprint the server remembers: the set has a cap."""
-    import statestore.server as server_module
+    import statestore.store_service as server_module
 
     monkeypatch.setattr(server_module, "MAX_REGISTERED_MODELS", len(server.models) + 1)
     specs = [{"kind": 1, "retention": 1, "codec": 1, "bytes_per_token": 100.0}]

@@ -23,7 +23,7 @@ from proto.statestore.v1 import common_pb2, statestore_pb2
 from statestore.client import ClientOptions, ServiceError, StateStoreClient
 from statestore.config import ServiceConfig
 from statestore.payloads import PayloadPut
-from statestore import server as server_module
+from statestore import store_service as server_module
 from statestore.record_stream import with_server_checksum
 from statestore.server import StateStoreServer
 from statestore.shm import DATA_OFFSET, LENT_DIR, LentSpan, ShmRegion, ShmWindow, shm_supported

@@ -25,7 +25,8 @@ FORBIDDEN = {
 CORE = ["statestore/keys.py", "statestore/policy.py", "statestore/store.py", "statestore/types.py",
         "statestore/reuse.py", "statestore/cost_policy.py"]
 CORE_FORBIDDEN = {"proto", "grpc", "torch", "statestore.server", "statestore.rpc", "statestore.client",
-                  "statestore.messages", "statestore.record_stream", "statestore.sessions_service"}
+                  "statestore.messages", "statestore.record_stream", "statestore.sessions_service",
+                  "statestore.store_service"}
 
 
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
