@@ -337,7 +337,7 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
         """Plain O_DIRECT overwrites of files of this size: what recycled spares can reach."""
         return await asyncio.to_thread(run_pool, qd, lambda i: overwrite_direct(old_paths[i], buf, padded, len(data)), n)
 
-    direct = tier._direct_io_min_bytes is not None and len(data) >= tier._direct_io_min_bytes
+    direct, uncache = tier.write_mode(len(data))  # the protocol sides write as the tier does
     names = [str(p) for p in paths]
     dir_sync = ThreadPoolExecutor(qd) if len(data) >= OVERLAP_DIR_SYNC_MIN_BYTES else None
     spare_dir = base / f"spares-{size}-{qd}"
@@ -348,10 +348,10 @@ async def _bench_ssd_case(p: Params, base: Path, size: int, qd: int) -> list[dic
     buffers = IOBuffers(qd)  # the protocol sides stage O_DIRECT writes as the tier does
 
     def durable(i: int) -> None:
-        write_spare(spares[i], names[i], [data], direct=direct, buffers=buffers)
+        write_spare(spares[i], names[i], [data], direct=direct, buffers=buffers, uncache=uncache)
 
     def durable_dirsync(i: int) -> None:
-        assert write_new(names[i], [data], direct=direct, buffers=buffers, dir_sync=dir_sync)
+        assert write_new(names[i], [data], direct=direct, buffers=buffers, dir_sync=dir_sync, uncache=uncache)
 
     async def protocol() -> float:
         """The tier's own durable protocol for a new key (into a spare, fdatasync, rename) in plain code."""

@@ -78,6 +78,7 @@ ext2, vfat) do not give more. That is what the spares buy back, without the assu
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import fcntl
 import os
@@ -484,10 +485,12 @@ def is_recycled_spare(path: str | Path) -> bool:
     return len(head) == HEADER_SIZE and not any(head)
 
 
-def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool, buffers: IOBuffers) -> None:
+def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool, buffers: IOBuffers,
+                uncache: bool = False) -> None:
     """Steps 1-4 of the spare protocol (module docstring): the record is durable once this
     returns. On any error the spare is removed (it may hold part of a record) and the error
-    re-raised: the caller sees either a durable record under `final` or nothing."""
+    re-raised: the caller sees either a durable record under `final` or nothing. `uncache`:
+    a buffered write's pages leave the page cache once durable (`_sync`)."""
     total = sum(len(c) for c in chunks)
     try:
         fd, direct = _open(spare, direct, os.O_WRONLY | os.O_NOFOLLOW)
@@ -502,11 +505,11 @@ def write_spare(spare: str, final: str, chunks: Sequence[Chunk], *, direct: bool
         os.close(fd)
         remove_quietly(spare)
         raise
-    _sync_and_rename(fd, spare, final)
+    _sync_and_rename(fd, spare, final, uncache)
 
 
 def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool, buffers: IOBuffers,
-              dir_sync: Executor | None = None) -> bool:
+              dir_sync: Executor | None = None, uncache: bool = False) -> bool:
     """Steps 1-4 of the new-key protocol (module docstring). False, with nothing written,
     if `final` already exists. On any other error the file is removed and the error
     re-raised: the caller sees either a durable record or nothing at all.
@@ -528,7 +531,7 @@ def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool, buffe
             if dir_sync is not None:
                 pending = dir_sync.submit(fsync_dir, parent)
             _write(fd, chunks, total, direct, buffers)
-            os.fdatasync(fd)
+            _sync(fd, uncache)
         finally:
             os.close(fd)
         if pending is not None:
@@ -544,12 +547,12 @@ def write_new(final: str | Path, chunks: Sequence[Chunk], *, direct: bool, buffe
 
 
 def write_durable(tmp: str | Path, final: str | Path, chunks: Sequence[Chunk], *, direct: bool,
-                  buffers: IOBuffers) -> None:
+                  buffers: IOBuffers, uncache: bool = False) -> None:
     """Steps 1-5 of the replace protocol (module docstring). On any error the temp file is
     removed and the error re-raised: the caller sees either a durable record or nothing."""
     total = sum(len(c) for c in chunks)
     fd = _create_and_write(tmp, chunks, total, direct, buffers)
-    _sync_and_rename(fd, tmp, final)
+    _sync_and_rename(fd, tmp, final, uncache)
     fsync_dir(os.path.dirname(final))
 
 
@@ -575,13 +578,24 @@ def _write_or_remove(fd: int, path: str | Path, chunks: Sequence[Chunk], total: 
         raise
 
 
-def _sync_and_rename(fd: int, path: str | Path, final: str | Path) -> None:
-    """fdatasync and close `fd` (open on `path`), then rename `path` to `final`: the record is
-    durable under its final name (a new name still needs its directory synced). After any error
-    `path` is removed before the error propagates: the caller sees the record or nothing."""
+def _sync(fd: int, uncache: bool) -> None:
+    """fdatasync `fd`; `uncache`: then drop its pages from the page cache. For a buffered write
+    of a record the tier reads back with O_DIRECT: the tier sits below the host RAM tier, so
+    those clean pages would only be a second copy, taking memory from the inference server.
+    The record is durable before they are dropped, so a failure to drop them is ignored."""
+    os.fdatasync(fd)
+    if uncache and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _sync_and_rename(fd: int, path: str | Path, final: str | Path, uncache: bool = False) -> None:
+    """fdatasync (`_sync`) and close `fd` (open on `path`), then rename `path` to `final`: the
+    record is durable under its final name (a new name still needs its directory synced). After
+    any error `path` is removed before the error propagates: the caller sees the record or nothing."""
     try:
         try:
-            os.fdatasync(fd)
+            _sync(fd, uncache)
         finally:
             os.close(fd)
         os.replace(path, final)

@@ -142,10 +142,19 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Records at least this large are written and read with O_DIRECT (aligned buffer): on the
-# development machine (ext4 on virtio) one device I/O per record beat buffered I/O from
-# 128 KiB up, cold reads most of all (bench/tiers.py).
+# Records at least this large are read with O_DIRECT (aligned buffer): on the development
+# machine (ext4 on virtio) one device I/O per record beat buffered I/O from 128 KiB up, cold
+# reads most of all (bench/tiers.py).
 DEFAULT_DIRECT_IO_MIN_BYTES = 128 << 10
+# ... and written with O_DIRECT from this size; smaller ones are written through the page cache
+# (then fdatasynced, and their pages dropped when they are read with O_DIRECT). 256 KiB records,
+# `python -m bench.tiers --only ssd --sizes 256K` alternated with O_DIRECT writes from 128 KiB
+# (session 21's VM, ext4 on virtio): the tier's own puts went 0.10-0.12 -> 0.16-0.21 GB/s at
+# depth 1 and 0.16-0.18 -> 0.28-0.34 at depth 4. A buffered write into an empty spare leaves the
+# allocation to delayed allocation at the fdatasync; an O_DIRECT write allocates its blocks
+# before it writes them. From 512 KiB O_DIRECT won: at depth 4, 0.43-0.52 GB/s against 0.34-0.41
+# buffered (1 MiB: 0.47-0.51 against 0.37-0.40).
+DEFAULT_DIRECT_WRITE_MIN_BYTES = 512 << 10
 DEFAULT_MAX_CONCURRENCY = 8  # puts/gets in flight for put_many/get_many (journal group commit)
 # New records at least this large fsync their directory on a second thread while the data
 # is written (`_fs.write_new(dir_sync=...)`): on ext4 that fsync is a journal commit, hidden
@@ -286,10 +295,14 @@ class SSDTier(Tier):
         zstd_kinds: kind code -> zstd level for the kinds worth compressing. Empty by
             default: FP4 KV payloads measure ~1.00x under zstd (bench/tiers.py), so the
             tier would only pay CPU for nothing.
-        direct_io_min_bytes: records this large or larger are written and read with
-            O_DIRECT (None: never). The SSD tier sits below the host RAM tier, so the page
-            cache would only hold a second copy; one device I/O per record also beats
-            buffered readahead windows on cold reads (bench/tiers.py).
+        direct_io_min_bytes: records this large or larger are read with O_DIRECT, and
+            recycled when deleted (None: never O_DIRECT). The SSD tier sits below the host
+            RAM tier, so the page cache would only hold a second copy; one device I/O per
+            record also beats buffered readahead windows on cold reads (bench/tiers.py).
+        direct_write_min_bytes: records this large or larger, and at least
+            `direct_io_min_bytes`, are written with O_DIRECT (None: none); smaller ones are
+            written through the page cache, whose pages are dropped once the record is
+            durable when it is read with O_DIRECT (`DEFAULT_DIRECT_WRITE_MIN_BYTES` says why).
         max_concurrency: puts/gets in flight in `put_many`/`get_many`, and the number of
             threads of the tier's own pool that runs every disk operation.
         spare_files: spares kept ready for new keys (0: none; every new key then pays a
@@ -319,6 +332,7 @@ class SSDTier(Tier):
 
     def __init__(self, root: Path | str, budget_bytes: int = 0, zstd_kinds: dict[int, int] | None = None,
                  *, direct_io_min_bytes: int | None = DEFAULT_DIRECT_IO_MIN_BYTES,
+                 direct_write_min_bytes: int | None = DEFAULT_DIRECT_WRITE_MIN_BYTES,
                  max_concurrency: int = DEFAULT_MAX_CONCURRENCY, spare_files: int = DEFAULT_SPARE_FILES,
                  recycle_bytes: int | None = None, loop_reads: bool = True,
                  read_poll_s: float = DEFAULT_POLL_S, index_snapshot: bool = True) -> None:
@@ -330,6 +344,10 @@ class SSDTier(Tier):
             raise ValueError(f"spare_files must be >= 0, got {spare_files}")
         if recycle_bytes is not None and recycle_bytes < 0:
             raise ValueError(f"recycle_bytes must be >= 0, got {recycle_bytes}")
+        for name, value in (("direct_io_min_bytes", direct_io_min_bytes),
+                            ("direct_write_min_bytes", direct_write_min_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if not 0 <= read_poll_s <= 1:
             raise ValueError(f"read_poll_s must be within [0, 1] seconds, got {read_poll_s}")
         self._recycle_auto = recycle_bytes is None  # decided in open(), once the file system is known
@@ -339,6 +357,8 @@ class SSDTier(Tier):
         self._budget_bytes = budget_bytes
         self._zstd_kinds = dict(zstd_kinds or {})
         self._direct_io_min_bytes = direct_io_min_bytes
+        self._direct_write_min_bytes = None if direct_io_min_bytes is None or direct_write_min_bytes is None \
+            else max(direct_io_min_bytes, direct_write_min_bytes)
         self._max_concurrency = max_concurrency
         self._buffers = IOBuffers(max_concurrency, RETAIN_BUFFER_BYTES)  # aligned I/O buffers (lent ones too)
         self._staged: dict[int, _fs.Staged] = {}  # id(payload) -> records staged for a put (`staging`)
@@ -744,7 +764,7 @@ class SSDTier(Tier):
         without one; a key the index holds through a temp file and a rename), return the
         header as stored. A `staged` record is written from its buffer as it lies."""
         total = HEADER_SIZE + len(record.payload) if encoded is None else len(encoded)
-        direct = self._direct_io_min_bytes is not None and total >= self._direct_io_min_bytes
+        direct, uncache = self.write_mode(total)
         pipelined = total >= PIECEWISE_MIN_BYTES and self._helpers is not None
         head: bytes | None
         chunks: Sequence[bytes | memoryview]
@@ -767,15 +787,17 @@ class SSDTier(Tier):
         if spare is not None:
             self._make_dir(top, sub, durable=False)
             try:
-                _fs.write_spare(spare, final, chunks, direct=direct, buffers=self._buffers)
+                _fs.write_spare(spare, final, chunks, direct=direct, buffers=self._buffers, uncache=uncache)
                 written = True
             except FileNotFoundError:  # the spare is gone (removed behind the tier's back)
                 logger.warning("ssd spare %s vanished; %s written without it", spare, key.hex())
         if not written:
             self._make_dir(top, sub, durable=True)
             dir_sync = self._helpers if total >= OVERLAP_DIR_SYNC_MIN_BYTES else None
-            if not (new_key and _fs.write_new(final, chunks, direct=direct, buffers=self._buffers, dir_sync=dir_sync)):
-                _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct, buffers=self._buffers)
+            if not (new_key and _fs.write_new(final, chunks, direct=direct, buffers=self._buffers, dir_sync=dir_sync,
+                                              uncache=uncache)):
+                _fs.write_durable(self._next_tmp(final), final, chunks, direct=direct, buffers=self._buffers,
+                                  uncache=uncache)
         if head is None:  # the write made it (Piecewise, or a LaidOut whose fill took the checksum)
             assert isinstance(chunks, (_fs.Piecewise, _fs.LaidOut))
             head = bytes(chunks.plain()[0])
@@ -984,6 +1006,12 @@ class SSDTier(Tier):
             yield target
         finally:
             del self._targets[key]
+
+    def write_mode(self, file_bytes: int) -> tuple[bool, bool]:
+        """(O_DIRECT, drop the page cache's copy once durable) for a write of a file this large."""
+        read_limit, write_limit = self._direct_io_min_bytes, self._direct_write_min_bytes
+        direct = write_limit is not None and file_bytes >= write_limit
+        return direct, not direct and read_limit is not None and file_bytes >= read_limit
 
     def _read_direct(self, entry: _Entry) -> bool:
         limit = self._direct_io_min_bytes

@@ -368,12 +368,82 @@ async def test_new_key_over_an_unindexed_file_replaces_it_atomically(tier: SSDTi
 @pytest.mark.parametrize("direct_io_min_bytes", [0, None], ids=["o_direct", "buffered"])
 async def test_unaligned_sizes_round_trip_through_both_write_paths(tmp_path: Path,
                                                                    direct_io_min_bytes: int | None) -> None:
-    tier = await SSDTier.create(tmp_path / "ssd", direct_io_min_bytes=direct_io_min_bytes)
+    tier = await SSDTier.create(tmp_path / "ssd", direct_io_min_bytes=direct_io_min_bytes,
+                                direct_write_min_bytes=direct_io_min_bytes)
     try:
         records = [rec(i, size) for i, size in enumerate([0, 1, 4096 - HEADER_SIZE, 4097, 1_000_003])]
         assert await tier.put_many(records) == [True] * len(records)
         for r in records:
             assert record_path(tier._layout.root, r).stat().st_size == HEADER_SIZE + len(r.payload)
+            assert_same(await tier.get(r.key), r)
+    finally:
+        await tier.aclose()
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache: mincore(2) over a read-only map of
+    it (mapping touches no page)."""
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(addr, size, pages) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(page & 1 for page in pages)
+
+
+def test_write_mode_by_size() -> None:
+    """Below `direct_write_min_bytes` a record is written through the page cache, and from
+    `direct_io_min_bytes` (read with O_DIRECT) its pages are dropped once it is durable."""
+    tier = SSDTier("/nonexistent", direct_io_min_bytes=128 << 10, direct_write_min_bytes=512 << 10)
+    assert [tier.write_mode(n) for n in (4096, (128 << 10) - 1, 128 << 10, (512 << 10) - 1, 512 << 10, 32 << 20)] == [
+        (False, False), (False, False), (False, True), (False, True), (True, False), (True, False)]
+    never = SSDTier("/nonexistent", direct_io_min_bytes=None)
+    assert {never.write_mode(n) for n in (4096, 1 << 20, 32 << 20)} == {(False, False)}
+    buffered = SSDTier("/nonexistent", direct_write_min_bytes=None)
+    assert [buffered.write_mode(n) for n in (4096, 1 << 20)] == [(False, False), (False, True)]
+    low = SSDTier("/nonexistent", direct_io_min_bytes=1 << 20, direct_write_min_bytes=0)  # writes: never below reads
+    assert [low.write_mode(n) for n in (4096, 1 << 20)] == [(False, False), (True, False)]
+    for bad in ({"direct_io_min_bytes": -1}, {"direct_write_min_bytes": -4096}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SSDTier("/nonexistent", **bad)  # type: ignore[arg-type]
+
+
+async def test_buffered_writes_of_records_read_with_o_direct_leave_no_pages_cached(tmp_path: Path) -> None:
+    """A 256 KiB record is written through the page cache and fdatasynced; its pages are then
+    dropped (the tier reads it with O_DIRECT: they would only be a second copy). A small record,
+    read through the page cache, keeps them. Both read back whole, also after a reopen."""
+    tier = await SSDTier.create(tmp_path / "ssd")
+    try:
+        small, mid, new_key_in_place = rec(1, 16 << 10), rec(2, 256 << 10), rec(3, 200 << 10)
+        assert tier.write_mode(HEADER_SIZE + len(mid.payload)) == (False, True)
+        assert await tier.put(small) and await tier.put(mid)
+        assert resident_pages(record_path(tier._layout.root, mid)) == 0
+        assert resident_pages(record_path(tier._layout.root, small)) > 0
+        replaced = rec(2, 256 << 10)  # the same key again: temp file, rename (`write_durable`)
+        replaced = dataclasses.replace(replaced, payload=bytes(reversed(bytes(replaced.payload))), checksum=None)
+        assert await tier.put(replaced)
+        assert resident_pages(record_path(tier._layout.root, replaced)) == 0
+        tier._spares.ready.clear()  # no spare left: a new key is written in place (`write_new`)
+        assert await tier.put(new_key_in_place)
+        assert resident_pages(record_path(tier._layout.root, new_key_in_place)) == 0
+        for r in (small, replaced, new_key_in_place):
+            assert_same(await tier.get(r.key), r)
+        tier = await reopen(tier)
+        for r in (small, replaced, new_key_in_place):
             assert_same(await tier.get(r.key), r)
     finally:
         await tier.aclose()
@@ -875,14 +945,14 @@ async def test_a_file_system_refusing_o_direct_gets_buffered_io(tmp_path: Path,
     # test_loop_reads_fall_back_to_threads covers their own refusals)
     tier = await SSDTier.create(tmp_path / "ssd", loop_reads=False)
     try:
-        records = [rec(1, 300_000), rec(2, 2 * LEND_MIN_BYTES + 5)]
+        records = [rec(1, 600_000), rec(2, 2 * LEND_MIN_BYTES + 5)]  # both written with O_DIRECT by default
         assert await tier.put_many(records) == [True, True]
         for r in records:
             assert_same(await tier.get(r.key), r)
         assert len(refused) >= 4  # two writes and two reads asked for O_DIRECT
         # A buffered write into a recycled spare a few bytes longer: truncated to the record.
         assert await tier.delete(records[0].key)
-        shorter = rec(3, 300_000 - 100)
+        shorter = rec(3, 600_000 - 100)
         assert await tier.put(shorter) and tier.usage().reserve_bytes == 0
         assert_same(await tier.get(shorter.key), shorter)
         tier = await reopen(tier)
@@ -923,7 +993,8 @@ async def test_a_staged_record_is_written_from_its_buffer_bit_exactly(tmp_path: 
         assert_same(await tier.get(want.key), want)
         leases.clear()
         assert await tier.put(Record(want.header, staged.payload, want.checksum))  # after the context: a copy
-        assert len(leases) == 1
+        direct, _ = tier.write_mode(HEADER_SIZE + size)  # (a buffered write takes the payload as it is)
+        assert len(leases) == (1 if direct else 0)
         tier = await reopen(tier)
         assert_same(await tier.get(want.key), want)
     finally:
