@@ -589,7 +589,7 @@ def _sync(fd: int, uncache: bool) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _sync_and_rename(fd: int, path: str | Path, final: str | Path, uncache: bool = False) -> None:
+def _sync_and_rename(fd: int, path: str | Path, final: str | Path, uncache: bool) -> None:
     """fdatasync (`_sync`) and close `fd` (open on `path`), then rename `path` to `final`: the
     record is durable under its final name (a new name still needs its directory synced). After
     any error `path` is removed before the error propagates: the caller sees the record or nothing."""

@@ -847,7 +847,7 @@ class SSDTier(Tier):
         target = self._targets.get(key) if self._targets else None
         if target is not None and entry.file_bytes >= DELIVER_MIN_BYTES and self._helpers is not None:
             result = await self._read_into_on_loop(path, key, entry, target) or \
-                await self._run(read_record_into, path, key, entry.file_bytes, self._read_direct(entry),
+                await self._run(read_record_into, path, key, entry.file_bytes, self._read_direct(entry.file_bytes),
                                 self._buffers, target, self._helpers)
         else:
             result = await self._read_on_loop(path, key, entry) or \
@@ -913,7 +913,7 @@ class SSDTier(Tier):
         says): the caller then reads the record on a thread, as before. Returns only once no read
         and no copy is in flight: nothing writes into the target after the get."""
         aio, helpers = self._aio, self._helpers
-        if aio is None or helpers is None or not self._read_direct(entry) or not aio.usable():
+        if aio is None or helpers is None or not self._read_direct(entry.file_bytes) or not aio.usable():
             return None
         fd = open_on_loop(aio, path)
         if not isinstance(fd, int):
@@ -1009,18 +1009,19 @@ class SSDTier(Tier):
 
     def write_mode(self, file_bytes: int) -> tuple[bool, bool]:
         """(O_DIRECT, drop the page cache's copy once durable) for a write of a file this large."""
-        read_limit, write_limit = self._direct_io_min_bytes, self._direct_write_min_bytes
-        direct = write_limit is not None and file_bytes >= write_limit
-        return direct, not direct and read_limit is not None and file_bytes >= read_limit
+        limit = self._direct_write_min_bytes
+        direct = limit is not None and file_bytes >= limit
+        return direct, not direct and self._read_direct(file_bytes)
 
-    def _read_direct(self, entry: _Entry) -> bool:
+    def _read_direct(self, file_bytes: int) -> bool:
+        """Whether a file this large is read with O_DIRECT (and recycled when deleted)."""
         limit = self._direct_io_min_bytes
-        return limit is not None and entry.file_bytes >= limit
+        return limit is not None and file_bytes >= limit
 
     def _read_mode(self, entry: _Entry) -> tuple[bool, bool]:
         """(O_DIRECT, lend the read buffer as the payload) for a read of `entry`."""
         size = entry.file_bytes
-        return self._read_direct(entry), size >= LEND_MIN_BYTES or \
+        return self._read_direct(size), size >= LEND_MIN_BYTES or \
             SMALL_LEND_MIN_BYTES <= size and round_up(size + 1, ALIGN) <= SMALL_IO_BUFFER_BYTES
 
     async def get_many(self, keys: Sequence[RecordKey]) -> list[Record | None]:
@@ -1045,7 +1046,8 @@ class SSDTier(Tier):
 
     def _loop_readable(self, entry: _Entry) -> bool:
         """Whether `_read_on_loop` takes a record of this entry (as far as the index tells)."""
-        return not entry.header.flags and entry.file_bytes < LOOP_READ_MAX_FILE_BYTES and self._read_direct(entry)
+        size = entry.file_bytes
+        return not entry.header.flags and size < LOOP_READ_MAX_FILE_BYTES and self._read_direct(size)
 
     def _shares(self, jobs: list[_GetJob]) -> list[list[_GetJob]]:
         """`jobs` dealt round-robin into at most `max_concurrency` shares, one in flight each."""
@@ -1124,8 +1126,7 @@ class SSDTier(Tier):
             return True
 
     def _recyclable(self, file_bytes: int) -> bool:
-        limit = self._direct_io_min_bytes
-        return limit is not None and file_bytes >= limit and self._recycled.limit_bytes > 0
+        return self._read_direct(file_bytes) and self._recycled.limit_bytes > 0
 
     async def _recycle(self, path: str, file_bytes: int) -> bool:
         """Make the file at `path` a recycled spare, claimable at once; False: not done

@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import resource
 import shutil
@@ -383,8 +384,6 @@ async def test_unaligned_sizes_round_trip_through_both_write_paths(tmp_path: Pat
 def resident_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache: mincore(2) over a read-only map of
     it (mapping touches no page)."""
-    import mmap
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
