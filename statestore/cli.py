@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import logging
 import os
@@ -295,9 +296,23 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_cmd_client)
 
 
+def version_line() -> str:
+    """What an operator reports with a bug: the installed package's version, the record format
+    its tiers write and read, and the wire protocol's package."""
+    from tiers.record import FORMAT_VERSION
+
+    try:
+        installed = importlib.metadata.version("statestore")
+    except importlib.metadata.PackageNotFoundError:  # a source tree run without installing it
+        installed = "unknown (not installed)"
+    return f"statestore {installed} (record format {FORMAT_VERSION}, protocol statestore.v1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="statestore", description="KV-state persistence for CED/CSA2 models")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="the package version, record format and wire protocol, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gRPC service until SIGTERM/SIGINT")

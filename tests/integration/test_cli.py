@@ -8,6 +8,7 @@ The server runs in-process on its own event-loop thread (the CLI runs `asyncio.r
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from statestore.client import SyncStateStoreClient
 from statestore.config import ServiceConfig
 from statestore.server import StateStoreServer
 from statestore.types import Durability
-from tiers.record import make_record
+from tiers.record import FORMAT_VERSION, make_record
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -156,6 +157,13 @@ def test_rejected_input_exits_2_and_failures_exit_1(cli, served) -> None:  # typ
     assert code == 2
     code, _, err = cli("stats", "--target", "127.0.0.1:1")
     assert code == 1 and "UNAVAILABLE" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == f"statestore {importlib.metadata.version('statestore')} (record format {FORMAT_VERSION}, " \
+                   f"protocol statestore.v1)"
 
 
 def test_serve_refuses_a_public_address_without_tokens(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
