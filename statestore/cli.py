@@ -308,10 +308,24 @@ def version_line() -> str:
     return f"statestore {installed} (record format {FORMAT_VERSION}, protocol statestore.v1)"
 
 
+class _VersionAction(argparse.Action):
+    """`--version`, its line built only when asked: the metadata lookup and the record module's
+    import cost ~130 ms, which no other command should pay at start-up."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="statestore", description="KV-state persistence for CED/CSA2 models")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=version_line(),
+    parser.add_argument("--version", action=_VersionAction,
                         help="the package version, record format and wire protocol, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
